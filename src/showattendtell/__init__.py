@@ -1,0 +1,13 @@
+"""Show, Attend and Tell: image captioning with soft and hard visual attention."""
+
+__version__ = "0.1.0"
+__all__ = ["CaptionResult", "Captioner", "caption_images", "load_model"]
+
+
+def __getattr__(name: str):
+    # Imported lazily so that `sat --help` does not pay for importing torch.
+    if name in __all__:
+        from showattendtell import inference
+
+        return getattr(inference, name)
+    raise AttributeError(name)

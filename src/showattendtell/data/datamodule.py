@@ -1,0 +1,208 @@
+"""The LightningDataModule for captioning: (image or cached features, caption) pairs."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import lightning as L
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader, Dataset
+
+from showattendtell.data.datasets import CaptionedImage, Split, load_split
+from showattendtell.data.feature_cache import FeatureCache
+from showattendtell.encoder import Encoder, EncoderConfig
+from showattendtell.images import ImageError, open_image, preprocess
+from showattendtell.vocab import Vocabulary
+
+log = logging.getLogger(__name__)
+
+
+class _Source:
+    """Gives the encoder input of an image: cached features (L, D) or a normalised image."""
+
+    def __init__(self, cache: FeatureCache | None, input_size: int):
+        self.cache, self.input_size = cache, input_size
+
+    def __call__(self, im: CaptionedImage) -> torch.Tensor | None:
+        if self.cache is not None:
+            return self.cache[im.image_id] if im.image_id in self.cache else None
+        try:
+            return preprocess(open_image(im.path), self.input_size)
+        except ImageError as e:  # reported and skipped, never a crash mid-epoch
+            log.warning("skipping undecodable image %s", e)
+            return None
+
+
+class CaptionPairs(Dataset):
+    """Every (image, caption) pair of a split: one training example per caption."""
+
+    def __init__(self, images: list[CaptionedImage], vocab: Vocabulary, source: _Source,
+                 max_length: int):
+        self.images, self.source = images, source
+        self.pairs = []
+        for i, im in enumerate(images):
+            for cap in im.captions:
+                ids = vocab.encode(cap)
+                if len(ids) > max_length + 2:  # keep <end>, truncate the words
+                    ids = [*ids[: max_length + 1], vocab.end]
+                self.pairs.append((i, torch.tensor(ids)))
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, k: int):
+        i, ids = self.pairs[k]
+        x = self.source(self.images[i])
+        return None if x is None else (x, ids, i)
+
+
+class ImagesWithReferences(Dataset):
+    """One item per image (for decoding and scoring), with its first caption for the val loss."""
+
+    def __init__(self, images: list[CaptionedImage], vocab: Vocabulary, source: _Source,
+                 max_length: int):
+        self.pairs = CaptionPairs([_first_caption(im) for im in images], vocab, source, max_length)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, k: int):
+        return self.pairs[k]
+
+
+def _first_caption(im: CaptionedImage) -> CaptionedImage:
+    return CaptionedImage(im.image_id, im.path, im.captions[:1], im.coco_id)
+
+
+def collate_captions(items):
+    """Stack inputs, pad captions with <pad> (0); lengths count the predicted tokens."""
+    items = [it for it in items if it is not None]
+    if not items:
+        return None
+    xs, caps, idx = zip(*items, strict=True)
+    return {
+        "inputs": torch.stack(xs),
+        "captions": pad_sequence(caps, batch_first=True, padding_value=0),
+        "lengths": torch.tensor([len(c) - 1 for c in caps]),
+        "index": torch.tensor(idx),
+    }
+
+
+class CaptionDataModule(L.LightningDataModule):
+    """COCO / Flickr8k / Karpathy-format captions for training and validation.
+
+    Args:
+        dataset: flickr8k (original release files), karpathy (dataset_*.json) or coco.
+        root: the dataset folder (see data/README.md).
+        train_split / val_split: split names of that dataset (flickr8k: train/dev/test;
+            karpathy and coco with dataset_coco.json: train, train+restval, val, test).
+        feature_cache: folder of the encoder-feature cache; missing features are extracted at
+            setup. None: run the encoder on images every step (needed when fine-tuning it).
+        encoder: linked from the model's encoder config (decides the cache and input size).
+        min_word_count: words rarer than this in the training captions become <unk>.
+        max_caption_length: training captions are cut to this many words.
+        val_images: score on the first N validation images only (None: all).
+        vocab_file: use this vocabulary (JSON list) instead of building one.
+    """
+
+    def __init__(
+        self,
+        dataset: str = "flickr8k",
+        root: str = "data/flickr8k",
+        train_split: str = "train",
+        val_split: str = "dev",
+        feature_cache: str | None = "cache",
+        encoder: EncoderConfig | None = None,
+        min_word_count: int = 5,
+        max_caption_length: int = 30,
+        batch_size: int = 64,
+        val_batch_size: int = 100,
+        num_workers: int = 2,
+        val_images: int | None = None,
+        vocab_file: str | None = None,
+        extract_batch_size: int = 32,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["encoder"])
+        self.encoder_config = encoder or EncoderConfig()
+        self._splits: dict[str, Split] = {}
+        self._vocab: Vocabulary | None = None
+
+    def split(self, name: str) -> Split:
+        if name not in self._splits:
+            self._splits[name] = load_split(self.hparams.dataset, self.hparams.root, name)
+        return self._splits[name]
+
+    @property
+    def vocab(self) -> Vocabulary:
+        if self._vocab is None:
+            if self.hparams.vocab_file:
+                self._vocab = Vocabulary.load(self.hparams.vocab_file)
+            else:
+                caps = (c for im in self.split(self.hparams.train_split).images for c in im.captions)
+                self._vocab = Vocabulary.build(caps, self.hparams.min_word_count)
+        return self._vocab
+
+    @property
+    def vocab_words(self) -> list[str]:
+        """The vocabulary as a word list: what the model is built with (linked by the CLI)."""
+        return self.vocab.itos
+
+    def val_images(self) -> list[CaptionedImage]:
+        images = self.split(self.hparams.val_split).images
+        n = self.hparams.val_images
+        return images[:n] if n else images
+
+    def references(self) -> dict[str, list[str]]:
+        """Validation image id -> all its reference captions."""
+        return {im.image_id: im.captions for im in self.val_images()}
+
+    def _source(self) -> _Source:
+        cache = None
+        if self.hparams.feature_cache:
+            cache = FeatureCache.for_config(self.hparams.feature_cache, self.encoder_config)
+        return _Source(cache, self.encoder_config.input_size)
+
+    def prepare_data(self) -> None:
+        """Fill the feature cache (once, on one process) for the train and validation images."""
+        if not self.hparams.feature_cache:
+            return
+        cache = FeatureCache.for_config(self.hparams.feature_cache, self.encoder_config)
+        todo = cache.missing(self.split(self.hparams.train_split).images + self.val_images())
+        if todo:
+            log.info("extracting encoder features of %d images into %s", len(todo), cache.dir)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            cache.extract(todo, Encoder(self.encoder_config), self.hparams.extract_batch_size,
+                          self.hparams.num_workers, device=device)
+
+    def setup(self, stage: str | None = None) -> None:
+        source, h = self._source(), self.hparams
+        if stage in ("fit", None):
+            self.train_set = CaptionPairs(self.split(h.train_split).images, self.vocab, source,
+                                          h.max_caption_length)
+        self.val_set = ImagesWithReferences(self.val_images(), self.vocab, source,
+                                            h.max_caption_length)
+
+    def _loader(self, ds: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        h = self.hparams
+        return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=h.num_workers,
+                          collate_fn=collate_captions, persistent_workers=h.num_workers > 0,
+                          worker_init_fn=_seed_worker)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self.hparams.val_batch_size, shuffle=False)
+
+
+def _seed_worker(worker_id: int) -> None:
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+
+
+def image_ids(dataset: ImagesWithReferences, index: torch.Tensor) -> list[str]:
+    return [dataset.pairs.images[int(i)].image_id for i in index]
+

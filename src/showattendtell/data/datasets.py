@@ -1,0 +1,196 @@
+"""Readers for the caption datasets in their published formats.
+
+Every reader returns the split as a list of ``CaptionedImage`` whose files exist; annotations
+whose image file is missing are skipped and counted (one summary warning, never a crash).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DATASETS = ("flickr8k", "karpathy", "coco")
+
+
+@dataclass
+class CaptionedImage:
+    image_id: str  # unique within the dataset: the file name (Flickr) or the COCO id
+    path: Path
+    captions: list[str]
+    coco_id: int | None = None
+
+
+@dataclass
+class Split:
+    name: str
+    images: list[CaptionedImage]
+    missing: list[Path] = field(default_factory=list)  # annotated images whose file is absent
+
+    @property
+    def num_captions(self) -> int:
+        return sum(len(im.captions) for im in self.images)
+
+
+class DatasetError(ValueError):
+    """The dataset folder is not laid out as expected; the message says what to do."""
+
+
+def _finish(name: str, candidates: list[CaptionedImage], where: str) -> Split:
+    present, missing = [], []
+    for im in candidates:
+        (present if im.path.is_file() else missing).append(im)
+    if missing:
+        n_caps = sum(len(im.captions) for im in missing)
+        log.warning(
+            "%s: skipped %d annotated images (%d captions) whose files are not in %s",
+            name, len(missing), n_caps, where,
+        )
+    return Split(name, present, [im.path for im in missing])
+
+
+# -- Flickr8k, original release ---------------------------------------------------------------
+
+FLICKR8K_SPLITS = {"train": "trainImages", "dev": "devImages", "val": "devImages",
+                   "test": "testImages"}
+
+
+def _find_flickr_images(root: Path) -> Path:
+    for d in (root / "images", root / "Flicker8k_Dataset", root / "Flickr8k_Dataset", root):
+        if d.is_dir() and any(d.glob("*.jpg")):
+            return d
+    return root / "images"
+
+
+def load_flickr8k(root: str | Path, split: str) -> Split:
+    """``Flickr8k.token.txt`` + ``Flickr_8k.{train,dev,test}Images.txt`` (the original release)."""
+    root = Path(root)
+    if split not in FLICKR8K_SPLITS:
+        raise DatasetError(f"Flickr8k has splits {sorted(FLICKR8K_SPLITS)}, not {split!r}")
+    token_file = root / "Flickr8k.token.txt"
+    split_file = root / f"Flickr_8k.{FLICKR8K_SPLITS[split]}.txt"
+    for f in (token_file, split_file):
+        if not f.is_file():
+            raise DatasetError(f"{f} not found: see data/README.md for the Flickr8k layout")
+    captions: dict[str, list[str]] = defaultdict(list)
+    for line in token_file.read_text(encoding="utf-8").splitlines():
+        if "\t" not in line:
+            continue
+        key, caption = line.split("\t", 1)
+        captions[key.rsplit("#", 1)[0]].append(caption.strip())
+    names = [n.strip() for n in split_file.read_text().splitlines() if n.strip()]
+    image_dir = _find_flickr_images(root)
+    items = [CaptionedImage(n, image_dir / n, captions[n]) for n in names if captions.get(n)]
+    return _finish(f"flickr8k/{split}", items, str(image_dir))
+
+
+# -- Karpathy's dataset_{flickr8k,flickr30k,coco}.json ------------------------------------------
+
+KARPATHY_SPLITS = {"train": ("train",), "train+restval": ("train", "restval"),
+                   "restval": ("restval",), "val": ("val",), "dev": ("val",), "test": ("test",)}
+
+
+def _find_karpathy_json(root: Path) -> Path | None:
+    found = sorted(root.glob("dataset_*.json"))
+    return found[0] if found else None
+
+
+def load_karpathy(root: str | Path, split: str, json_file: str | Path | None = None,
+                  image_dir: str | Path | None = None) -> Split:
+    """Karpathy's split files: ``images[*].{filepath?, filename, split, sentences[*].raw}``."""
+    root = Path(root)
+    json_path = Path(json_file) if json_file else _find_karpathy_json(root)
+    if json_path is None or not json_path.is_file():
+        raise DatasetError(f"no dataset_*.json (Karpathy split) in {root}")
+    if split not in KARPATHY_SPLITS:
+        raise DatasetError(f"Karpathy splits are {sorted(KARPATHY_SPLITS)}, not {split!r}")
+    wanted = KARPATHY_SPLITS[split]
+    data = json.loads(json_path.read_text(encoding="utf-8"))
+    base = Path(image_dir) if image_dir else root
+    items = []
+    for im in data["images"]:
+        if im["split"] not in wanted:
+            continue
+        path = _karpathy_image_path(base, im)
+        key = str(im.get("cocoid", im["filename"]))
+        caps = [s["raw"].strip() for s in im["sentences"]]
+        items.append(CaptionedImage(key, path, caps, im.get("cocoid")))
+    return _finish(f"{json_path.name}/{split}", items, str(base))
+
+
+def _karpathy_image_path(base: Path, im: dict) -> Path:
+    candidates = [base / im.get("filepath", "") / im["filename"], base / "images" / im["filename"],
+                  base / im["filename"]]
+    if "filepath" in im:
+        candidates.insert(1, base / "images" / im["filepath"] / im["filename"])
+    return next((p for p in candidates if p.is_file()), candidates[0])
+
+
+# -- COCO, official caption files (pycocotools) ------------------------------------------------
+
+
+def coco_annotation_file(root: Path, split: str) -> Path:
+    for year in ("2014", "2017"):
+        f = root / "annotations" / f"captions_{split}{year}.json"
+        if f.is_file():
+            return f
+    raise DatasetError(
+        f"no annotations/captions_{split}2014.json or captions_{split}2017.json under {root}: "
+        f"run `sat data coco --root {root}` to download COCO"
+    )
+
+
+def load_coco(root: str | Path, split: str) -> Split:
+    """COCO captions. With Karpathy's ``dataset_coco.json`` in root, its train/restval/val/test
+    split; otherwise the official train/val files read with pycocotools."""
+    root = Path(root)
+    karpathy = root / "dataset_coco.json"
+    if karpathy.is_file():
+        return load_karpathy(root, split, karpathy)
+    if split not in ("train", "val"):
+        raise DatasetError(
+            f"split {split!r} needs Karpathy's dataset_coco.json in {root}; "
+            "the official COCO files have train and val"
+        )
+    from pycocotools.coco import COCO
+
+    ann_file = coco_annotation_file(root, split)
+    coco = _quiet_coco(COCO, ann_file)
+    year = ann_file.stem[-4:]
+    image_dir = next(
+        (d for d in (root / f"{split}{year}", root / "images" / f"{split}{year}", root / "images")
+         if d.is_dir()),
+        root / f"{split}{year}",
+    )
+    items = []
+    for img_id in sorted(coco.getImgIds()):
+        info = coco.loadImgs(img_id)[0]
+        caps = [a["caption"].strip() for a in coco.loadAnns(coco.getAnnIds(imgIds=img_id))]
+        items.append(CaptionedImage(str(img_id), image_dir / info["file_name"], caps, img_id))
+    return _finish(f"coco/{ann_file.name}", items, str(image_dir))
+
+
+def _quiet_coco(COCO, ann_file: Path):
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
+        return COCO(str(ann_file))
+
+
+def load_split(dataset: str, root: str | Path, split: str) -> Split:
+    """Dispatch on the dataset name: flickr8k (original files), karpathy (dataset_*.json), coco."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DatasetError(f"dataset folder {root} does not exist: see data/README.md")
+    if dataset == "flickr8k":
+        return load_flickr8k(root, split)
+    if dataset == "karpathy":
+        return load_karpathy(root, split)
+    if dataset == "coco":
+        return load_coco(root, split)
+    raise DatasetError(f"unknown dataset {dataset!r}; choose one of {DATASETS}")

@@ -1,0 +1,187 @@
+"""On-disk cache of encoder annotation grids, so a frozen encoder runs once per image.
+
+Layout of one cache (one folder per encoder fingerprint, so another backbone, weights file or
+input size never reads stale features):
+
+    <cache_root>/<backbone>-<input>px-<grid>x<grid>-<fingerprint>/
+        meta.json                  encoder config, L, D, dtype
+        shard-00000.npy            (N, L, D) float16, memory-mapped when read
+        shard-00000.keys.json      the N image ids of that shard, in row order
+        failed.json                images that could not be decoded (id -> reason)
+
+Shards are written whole to a temporary name and renamed, so an interrupted extraction leaves
+only complete shards and resumes with the images that are not in any shard yet. Nothing is held in
+RAM but the index; COCO (123k images at 7x7x2048) is ~2.5 GB of shards of ~200 MB each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from showattendtell.data.datasets import CaptionedImage
+from showattendtell.encoder import Encoder, EncoderConfig
+from showattendtell.images import ImageError, open_image, preprocess
+from showattendtell.progress import ProgressBar
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir_for(cache_root: str | Path, config: EncoderConfig) -> Path:
+    g = config.grid
+    name = f"{config.backbone}-{config.input_size}px-{g}x{g}-{config.fingerprint()}"
+    return Path(cache_root) / name
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class FeatureCache:
+    """Read access to one cache folder: ``cache[image_id]`` -> float32 tensor (L, D)."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        meta_file = self.dir / "meta.json"
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"no feature cache in {self.dir} (meta.json missing)")
+        self.meta = json.loads(meta_file.read_text())
+        self.index: dict[str, tuple[int, int]] = {}
+        self.shards: list[Path] = sorted(self.dir.glob("shard-*.npy"))
+        for s, shard in enumerate(self.shards):
+            keys = json.loads(shard.with_suffix(".keys.json").read_text())
+            for row, key in enumerate(keys):
+                self.index[key] = (s, row)
+        failed = self.dir / "failed.json"
+        self.failed: dict[str, str] = json.loads(failed.read_text()) if failed.is_file() else {}
+        self._arrays: dict[int, np.ndarray] = {}  # opened lazily, per process (DataLoader workers)
+
+    @classmethod
+    def for_config(cls, cache_root: str | Path, config: EncoderConfig) -> FeatureCache:
+        d = cache_dir_for(cache_root, config)
+        d.mkdir(parents=True, exist_ok=True)
+        meta = {"encoder": asdict(config), "fingerprint": config.fingerprint(),
+                "grid": config.grid, "feature_dim": config.feature_dim, "dtype": "float16"}
+        meta_file = d / "meta.json"
+        if meta_file.is_file():
+            old = json.loads(meta_file.read_text())
+            if old.get("fingerprint") != meta["fingerprint"]:
+                raise ValueError(f"{d} holds features of another encoder configuration")
+        else:
+            _atomic_write_text(meta_file, json.dumps(meta, indent=1))
+        return cls(d)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        s, row = self.index[key]
+        arr = self._arrays.get(s)
+        if arr is None:
+            arr = self._arrays[s] = np.load(self.shards[s], mmap_mode="r")
+        return torch.from_numpy(np.asarray(arr[row], dtype=np.float32))
+
+    def __getstate__(self):  # DataLoader workers reopen the memory maps themselves
+        state = self.__dict__.copy()
+        state["_arrays"] = {}
+        return state
+
+    def missing(self, images: Sequence[CaptionedImage]) -> list[CaptionedImage]:
+        return [im for im in images if im.image_id not in self.index
+                and im.image_id not in self.failed]
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def extract(
+        self,
+        images: Sequence[CaptionedImage],
+        encoder: Encoder,
+        batch_size: int = 32,
+        num_workers: int = 2,
+        shard_size: int = 1024,
+        device: str | torch.device = "cpu",
+        progress: bool = True,
+    ) -> int:
+        """Compute and store the features of every image not cached yet; returns how many."""
+        todo = self.missing(images)
+        if not todo:
+            return 0
+        encoder = encoder.to(device).eval()
+        size = encoder.config.input_size
+        loader = DataLoader(_ImageFiles(todo, size), batch_size=batch_size,
+                            num_workers=num_workers, collate_fn=_collate_images)
+        keys: list[str] = []
+        rows: list[np.ndarray] = []
+        done = 0
+        with torch.inference_mode(), ProgressBar(len(todo), "features", None if progress else False) as bar:
+            for batch_keys, batch, failures in loader:
+                for key, reason in failures:
+                    log.warning("skipping %s: %s", key, reason)
+                    self.failed[key] = reason
+                if batch_keys:
+                    feats = encoder(batch.to(device)).to(torch.float16).cpu().numpy()
+                    keys += batch_keys
+                    rows.append(feats)
+                while len(keys) >= shard_size:
+                    done += self._write_shard(keys[:shard_size], rows, shard_size)
+                    keys = keys[shard_size:]
+                bar(len(batch_keys) + len(failures))
+        if keys:
+            done += self._write_shard(keys, rows, len(keys))
+        if self.failed:
+            _atomic_write_text(self.dir / "failed.json", json.dumps(self.failed, indent=1))
+        return done
+
+    def _write_shard(self, keys: list[str], rows: list[np.ndarray], n: int) -> int:
+        stacked = np.concatenate(rows)
+        data, rest = stacked[:n], stacked[n:]
+        rows.clear()
+        if len(rest):
+            rows.append(rest)
+        s = len(self.shards)
+        path = self.dir / f"shard-{s:05d}.npy"
+        tmp = self.dir / f".shard-{s:05d}.npy.tmp"
+        with open(tmp, "wb") as f:
+            np.save(f, data)
+        # keys first, then the array: a shard counts only once its .npy exists
+        _atomic_write_text(path.with_suffix(".keys.json"), json.dumps(keys))
+        os.replace(tmp, path)
+        self.shards.append(path)
+        for row, key in enumerate(keys):
+            self.index[key] = (s, row)
+        return n
+
+
+class _ImageFiles(Dataset):
+    def __init__(self, images: Sequence[CaptionedImage], input_size: int):
+        self.images, self.input_size = images, input_size
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        im = self.images[i]
+        try:
+            return im.image_id, preprocess(open_image(im.path), self.input_size), None
+        except ImageError as e:
+            return im.image_id, None, str(e)
+
+
+def _collate_images(items):
+    ok = [(k, x) for k, x, err in items if err is None]
+    failures = [(k, err) for k, x, err in items if err is not None]
+    batch = torch.stack([x for _, x in ok]) if ok else None
+    return [k for k, _ in ok], batch, failures

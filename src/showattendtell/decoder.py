@@ -1,0 +1,197 @@
+"""The LSTM decoder of Show, Attend and Tell.
+
+    h_0, c_0 = f_init_h(mean_i a_i), f_init_c(mean_i a_i)
+    [i f o g] = W [E y_{t-1}; h_{t-1}; z_t] + b ;  c_t = f*c_{t-1} + i*g ;  h_t = o*tanh(c_t)
+    p(y_t) ~ exp(L_o(E y_{t-1} + L_h h_t + L_z z_t))          deep output layer (eq. 7)
+
+Fast path (issue #7): what does not change per word is computed once per caption or once per
+batch: W_a a (attention.project_annotations), the embedding part of the LSTM gates for all steps,
+and the deep output + vocabulary projection for all tokens after the recurrence. The recurrent
+matmul, U_a h and f_beta h are one fused matmul, and rows whose caption has ended are dropped
+(captions are sorted by length, as in pack_padded_sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from showattendtell.attention import (
+    AdditiveAttention,
+    attention_entropy,
+    expected_context,
+    gather_locations,
+    sample_locations,
+)
+
+
+@dataclass
+class DecoderConfig:
+    """Sizes of the decoder. ``attention``: "soft" or "hard"."""
+
+    attention: str = "soft"
+    embed_dim: int = 512
+    hidden_dim: int = 1024
+    attention_dim: int = 512
+    dropout: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("soft", "hard"):
+            raise ValueError(f"attention must be 'soft' or 'hard', not {self.attention!r}")
+
+
+@dataclass
+class TeacherForcedOutput:
+    """Everything the losses need; token tensors are packed (time-major, captions by length)."""
+
+    logits: torch.Tensor  # (N, V) for the N real tokens
+    targets: torch.Tensor  # (N,)
+    caption_index: torch.Tensor  # (N,) which caption (original order) each token belongs to
+    alphas: torch.Tensor  # (B, T, L), zero after a caption's end
+    location_log_prob: torch.Tensor | None  # (B,) sum_t log alpha_{t, s_t} (hard only)
+    entropy: torch.Tensor | None  # (B,) sum_t H[alpha_t] (hard only)
+    locations: torch.Tensor | None  # (B, T) sampled s_t, -1 after the end (hard only)
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab_size: int, feature_dim: int, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        E, H, A = config.embed_dim, config.hidden_dim, config.attention_dim
+        self.vocab_size, self.feature_dim = vocab_size, feature_dim
+        self.embedding = nn.Embedding(vocab_size, E)
+        self.init_h = nn.Linear(feature_dim, H)
+        self.init_c = nn.Linear(feature_dim, H)
+        self.attention = AdditiveAttention(feature_dim, A)
+        # One matmul of h_{t-1} gives the LSTM's recurrent term, U_a h_{t-1} and f_beta(h_{t-1}).
+        self.hidden_proj = nn.Linear(H, 4 * H + A + 1, bias=False)
+        self.gate_embed = nn.Linear(E, 4 * H)  # embedding part of W, with the LSTM bias b
+        self.gate_context = nn.Linear(feature_dim, 4 * H, bias=False)  # context part of W
+        self.beta_bias = nn.Parameter(torch.zeros(1))  # f_beta's bias
+        self.out_hidden = nn.Linear(H, E)  # L_h
+        self.out_context = nn.Linear(feature_dim, E, bias=False)  # L_z
+        self.out_vocab = nn.Linear(E, vocab_size)  # L_o
+        self.dropout = nn.Dropout(config.dropout)
+
+    # -- the equations, one step ------------------------------------------------------------
+
+    def init_state(self, annotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = annotations.mean(1)
+        return self.init_h(mean), self.init_c(mean)
+
+    def recurrent_step(
+        self,
+        gate_x: torch.Tensor,
+        h: torch.Tensor,
+        c: torch.Tensor,
+        projected: torch.Tensor,
+        annotations: torch.Tensor,
+        mode: str,
+        locations: torch.Tensor | None = None,
+    ):
+        """Attend and update the LSTM for one word.
+
+        gate_x is the embedding part of the gates, (B, 4H). mode: "soft" (expected context),
+        "sample" (hard, s_t ~ alpha_t), "argmax" (hard, most likely location) or "forced" (hard,
+        s_t given in ``locations``). Returns h, c, z, alpha, s_t (None for soft).
+        """
+        H = self.config.hidden_dim
+        hp = self.hidden_proj(h)
+        gates_h, att_h, beta = hp[:, : 4 * H], hp[:, 4 * H : -1], hp[:, -1:]
+        alpha = self.attention.weights(projected, att_h)
+        if mode == "soft":
+            s, context = None, expected_context(alpha, annotations)
+        else:
+            if mode == "sample":
+                s = sample_locations(alpha.detach())
+            elif mode == "argmax":
+                s = alpha.argmax(1)
+            elif mode == "forced":
+                s = locations
+            else:
+                raise ValueError(f"unknown attention mode {mode!r}")
+            context = gather_locations(annotations, s)
+        z = torch.sigmoid(beta + self.beta_bias) * context
+        gates = gate_x + gates_h + self.gate_context(z)
+        i, f, o, g = gates.chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return h, c, z, alpha, s
+
+    def deep_output(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Logits L_o(E y_{t-1} + L_h h_t + L_z z_t), with dropout on the sum."""
+        return self.out_vocab(self.dropout(emb + self.out_hidden(h) + self.out_context(z)))
+
+    # -- inference: one step for a batch of partial captions (used by decoding.py) ----------
+
+    def step(self, prev_words, h, c, projected, annotations, mode: str = "soft"):
+        """Log-probabilities of the next word: returns logp (B, V), h, c, alpha, s_t."""
+        emb = self.embedding(prev_words)
+        h, c, z, alpha, s = self.recurrent_step(
+            self.gate_embed(emb), h, c, projected, annotations, mode
+        )
+        return F.log_softmax(self.deep_output(emb, h, z), dim=-1), h, c, alpha, s
+
+    # -- training: teacher forcing over whole captions ---------------------------------------
+
+    def forward(
+        self,
+        annotations: torch.Tensor,
+        captions: torch.Tensor,
+        lengths: torch.Tensor,
+        mode: str = "soft",
+        locations: torch.Tensor | None = None,
+    ) -> TeacherForcedOutput:
+        """Teacher-forced pass. captions (B, T+1) = <start> w1 .. wn <end> <pad>..;
+        lengths (B,) = n + 1 predicted tokens per caption. mode: "soft", "sample" (hard
+        training) or "forced" (hard, with s_t from ``locations`` (B, T))."""
+        B, L, _ = annotations.shape
+        lengths = lengths.to(annotations.device)
+        order = torch.argsort(lengths, descending=True, stable=True)
+        a, caps, lens = annotations[order], captions[order], lengths[order]
+        T = int(lens[0])
+        batch_sizes = [int(n) for n in (lens.unsqueeze(0) > torch.arange(T, device=lens.device)
+                                         .unsqueeze(1)).sum(1).tolist()]
+
+        emb = self.embedding(caps[:, :T])  # (B, T, E): inputs y_0..y_{T-1}
+        gate_x = self.gate_embed(emb)  # (B, T, 4H), all steps in one matmul
+        projected = self.attention.project_annotations(a)  # (B, L, A), once per caption
+        h, c = self.init_state(a)
+        forced = locations[order] if locations is not None else None
+
+        hs, zs, alphas, logps, ents, locs = [], [], [], [], [], []
+        for t, n in enumerate(batch_sizes):
+            h, c, z, alpha, s = self.recurrent_step(
+                gate_x[:n, t], h[:n], c[:n], projected[:n], a[:n], mode,
+                None if forced is None else forced[:n, t],
+            )
+            hs.append(h)
+            zs.append(z)
+            alphas.append(F.pad(alpha, (0, 0, 0, B - n)))
+            if s is not None:
+                logp_s = torch.log(alpha.gather(1, s.unsqueeze(1)).squeeze(1).clamp_min(1e-12))
+                logps.append(F.pad(logp_s, (0, B - n)))
+                ents.append(F.pad(attention_entropy(alpha), (0, B - n)))
+                locs.append(F.pad(s, (0, B - n), value=-1))
+
+        # Packed, time-major token order: step t holds the first batch_sizes[t] captions.
+        packed_emb = torch.cat([emb[:n, t] for t, n in enumerate(batch_sizes)])
+        logits = self.deep_output(packed_emb, torch.cat(hs), torch.cat(zs))
+        targets = torch.cat([caps[:n, t + 1] for t, n in enumerate(batch_sizes)])
+        caption_index = torch.cat([order[:n] for n in batch_sizes])
+
+        inverse = torch.argsort(order)
+        alphas_bt = torch.stack(alphas, 1)[inverse]
+        hard = bool(logps)
+        return TeacherForcedOutput(
+            logits=logits,
+            targets=targets,
+            caption_index=caption_index,
+            alphas=alphas_bt,
+            location_log_prob=torch.stack(logps, 1).sum(1)[inverse] if hard else None,
+            entropy=torch.stack(ents, 1).sum(1)[inverse] if hard else None,
+            locations=torch.stack(locs, 1)[inverse] if hard else None,
+        )

@@ -1,0 +1,173 @@
+"""The LightningModule: losses, optimiser and schedule, validation by decoding and scoring."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from showattendtell.decoder import DecoderConfig
+from showattendtell.encoder import EncoderConfig
+from showattendtell.losses import hard_attention_loss, soft_attention_loss, update_baseline
+from showattendtell.metrics import score_captions
+from showattendtell.model import CaptionModel, DecodingConfig
+from showattendtell.vocab import Vocabulary
+
+
+@dataclass
+class HardAttentionConfig:
+    """REINFORCE settings (Xu et al. section 4.1); used when decoder.attention is "hard"."""
+
+    reward_scale: float = 1.0  # lambda_r
+    entropy_weight: float = 0.002  # lambda_e
+    expectation_prob: float = 0.5  # per batch, use the expected (soft) context instead
+    baseline_decay: float = 0.9  # b <- 0.9 b + 0.1 log p(y | s, a)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"  # adam or rmsprop
+    lr: float = 2e-4
+    encoder_lr: float = 1e-4  # for the fine-tuned encoder stages, if any
+    weight_decay: float = 0.0
+    lr_decay: float = 1.0  # multiply the learning rates by this ...
+    lr_decay_every: int = 1  # ... every this many epochs (StepLR)
+
+
+class CaptionModule(L.LightningModule):
+    """Trains a CaptionModel with soft (deterministic) or hard (REINFORCE) attention.
+
+    Args:
+        vocab: the vocabulary as a word list (the CLI links it from the DataModule).
+        encoder / decoder: the model's architecture.
+        doubly_stochastic: lambda of sum_i (1 - sum_t alpha_ti)^2 (soft attention; 1 in the paper).
+        hard: REINFORCE settings for hard attention.
+        optimizer: optimiser and learning-rate schedule.
+        val_decoding: how validation captions are generated (beam size 1 = greedy).
+    """
+
+    def __init__(
+        self,
+        vocab: list[str],
+        encoder: EncoderConfig | None = None,
+        decoder: DecoderConfig | None = None,
+        doubly_stochastic: float = 1.0,
+        hard: HardAttentionConfig | None = None,
+        optimizer: OptimizerConfig | None = None,
+        val_decoding: DecodingConfig | None = None,
+    ):
+        super().__init__()
+        encoder, decoder = encoder or EncoderConfig(), decoder or DecoderConfig()
+        self.hard_cfg = hard or HardAttentionConfig()
+        self.opt_cfg = optimizer or OptimizerConfig()
+        self.val_decoding = val_decoding or DecodingConfig(beam_size=1)
+        self.save_hyperparameters({
+            "vocab": list(vocab), "encoder": asdict(encoder), "decoder": asdict(decoder),
+            "doubly_stochastic": doubly_stochastic, "hard": asdict(self.hard_cfg),
+            "optimizer": asdict(self.opt_cfg), "val_decoding": asdict(self.val_decoding),
+        })
+        self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
+        self.register_buffer("baseline", torch.zeros(()))  # REINFORCE moving average
+        self.strict_loading = False  # frozen encoder weights are not stored in checkpoints
+        self._val_predictions: dict[str, str] = {}
+
+    @property
+    def attention(self) -> str:
+        return self.model.decoder.config.attention
+
+    def annotations(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Cached features (B, L, D) pass through; images (B, 3, S, S) go through the encoder."""
+        if inputs.dim() == 3:
+            return inputs
+        if self.model.encoder.trainable:
+            return self.model.encoder(inputs)
+        with torch.no_grad():
+            return self.model.encoder(inputs)
+
+    def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        a = self.annotations(batch["inputs"])
+        B = a.size(0)
+        lam = self.hparams.doubly_stochastic
+        if self.attention == "soft":
+            out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
+            terms = soft_attention_loss(out, B, lam)
+            return terms.loss, {"nll": terms.nll}
+        cfg = self.hard_cfg
+        if self.training and random.random() >= cfg.expectation_prob:
+            out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="sample")
+            terms = hard_attention_loss(out, B, float(self.baseline), cfg.reward_scale,
+                                        cfg.entropy_weight)
+            new_b = update_baseline(float(self.baseline), terms.log_likelihood, cfg.baseline_decay)
+            self.baseline.fill_(new_b)
+            return terms.loss, {"nll": terms.nll, "baseline": self.baseline.clone()}
+        # the expected context: the soft-attention pass of the same network
+        out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
+        terms = soft_attention_loss(out, B, 0.0)
+        return terms.loss, {"nll": terms.nll}
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
+        if batch is None:
+            return None
+        loss, logs = self.compute_loss(batch)
+        B = batch["captions"].size(0)
+        self.log("train/loss", loss, prog_bar=True, batch_size=B)
+        for k, v in logs.items():
+            self.log(f"train/{k}", v, prog_bar=k == "nll", batch_size=B)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        if batch is None:
+            return
+        a = self.annotations(batch["inputs"])
+        B = a.size(0)
+        out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
+        self.log("val/nll", soft_attention_loss(out, B, 0.0).nll, batch_size=B, sync_dist=True)
+        hyps = self.model.generate(a, self.val_decoding)
+        ds = self.trainer.datamodule.val_set
+        for i, h in zip(batch["index"].tolist(), hyps, strict=True):
+            self._val_predictions[ds.pairs.images[i].image_id] = " ".join(self.model.words(h[0]))
+
+    def on_validation_epoch_end(self) -> None:
+        preds = self._val_predictions
+        self._val_predictions = {}
+        if dist.is_available() and dist.is_initialized():
+            gathered: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, preds)
+            preds = {k: v for part in gathered for k, v in part.items()}
+        if not preds:
+            return
+        refs = self.trainer.datamodule.references()
+        scores = score_captions(preds, refs, official=False)
+        for name in ("Bleu_1", "Bleu_4", "ROUGE_L", "CIDEr"):
+            self.log(f"val/{name}", scores[name], prog_bar=name in ("Bleu_4", "CIDEr"),
+                     rank_zero_only=True)
+        # a tensor-valued copy for ModelCheckpoint/EarlyStopping on every rank
+        self.log("val/bleu4", scores["Bleu_4"], sync_dist=True)
+        self.log("val/cider", scores["CIDEr"], sync_dist=True)
+
+    def configure_optimizers(self):
+        cfg = self.opt_cfg
+        groups = [{"params": [p for p in self.model.decoder.parameters()], "lr": cfg.lr}]
+        enc = [p for p in self.model.encoder.parameters() if p.requires_grad]
+        if enc:
+            groups.append({"params": enc, "lr": cfg.encoder_lr})
+        if cfg.name == "adam":
+            opt = torch.optim.Adam(groups, weight_decay=cfg.weight_decay)
+        elif cfg.name == "rmsprop":
+            opt = torch.optim.RMSprop(groups, weight_decay=cfg.weight_decay)
+        else:
+            raise ValueError(f"optimizer.name must be adam or rmsprop, not {cfg.name!r}")
+        if cfg.lr_decay == 1.0:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, cfg.lr_decay_every, cfg.lr_decay)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # A frozen encoder is rebuilt from its config (weights file / torchvision) at load time.
+        if not self.model.encoder.trainable:
+            sd = checkpoint["state_dict"]
+            for k in [k for k in sd if k.startswith("model.encoder.")]:
+                del sd[k]

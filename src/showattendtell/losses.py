@@ -1,0 +1,70 @@
+"""Training objectives (Xu et al. 2015, sections 4.1 and 4.2). All are means over captions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from showattendtell.decoder import TeacherForcedOutput
+
+
+def caption_log_likelihood(out: TeacherForcedOutput, batch_size: int) -> torch.Tensor:
+    """log p(y | a) (or log p(y | s, a)) per caption, (B,): padding never enters."""
+    token_logp = -F.cross_entropy(out.logits.float(), out.targets, reduction="none")
+    return torch.zeros(batch_size, device=token_logp.device).index_add(
+        0, out.caption_index, token_logp
+    )
+
+
+def doubly_stochastic_penalty(alphas: torch.Tensor) -> torch.Tensor:
+    """sum_i (1 - sum_t alpha_ti)^2 per caption; alphas (B, T, L) are zero after the end."""
+    return ((1.0 - alphas.sum(1)) ** 2).sum(1)
+
+
+@dataclass
+class LossTerms:
+    loss: torch.Tensor  # what is minimised
+    nll: torch.Tensor  # mean per-token negative log-likelihood, for logging / perplexity
+    log_likelihood: torch.Tensor  # (B,) log p(y | s, a) per caption
+
+
+def soft_attention_loss(out: TeacherForcedOutput, batch_size: int, lam: float = 1.0) -> LossTerms:
+    """-log p(y|a) + lambda * sum_i (1 - sum_t alpha_ti)^2, averaged over captions."""
+    ll = caption_log_likelihood(out, batch_size)
+    loss = -ll.mean()
+    if lam:
+        loss = loss + lam * doubly_stochastic_penalty(out.alphas).mean()
+    return LossTerms(loss, -ll.sum() / out.targets.numel(), ll)
+
+
+def hard_attention_loss(
+    out: TeacherForcedOutput,
+    batch_size: int,
+    baseline: float,
+    reward_scale: float = 1.0,
+    entropy_weight: float = 0.002,
+    lam: float = 0.0,
+) -> LossTerms:
+    """Surrogate whose gradient is the paper's eq. 12 (the variational lower bound L_s):
+
+        d/dW [log p(y|s,a)] + lambda_r (log p(y|s,a) - b) d/dW [log p(s|a)] + lambda_e d/dW H[s]
+
+    with s sampled from the attention. (log p(y|s,a) - b) is a constant reward (detached), so the
+    REINFORCE term is unbiased for any baseline b.
+    """
+    if out.location_log_prob is None:
+        raise ValueError("hard_attention_loss needs a pass with sampled locations")
+    ll = caption_log_likelihood(out, batch_size)
+    reward = (ll.detach() - baseline) * reward_scale
+    objective = ll + reward * out.location_log_prob + entropy_weight * out.entropy
+    loss = -objective.mean()
+    if lam:
+        loss = loss + lam * doubly_stochastic_penalty(out.alphas).mean()
+    return LossTerms(loss, -ll.sum() / out.targets.numel(), ll)
+
+
+def update_baseline(baseline: float, log_likelihood: torch.Tensor, decay: float = 0.9) -> float:
+    """b_k = 0.9 b_{k-1} + 0.1 log p(y | s_k, a), the batch mean of the sampled likelihoods."""
+    return decay * baseline + (1.0 - decay) * float(log_likelihood.detach().mean())

@@ -1,0 +1,96 @@
+"""Caption metrics with the official COCO caption toolkit (pycocoevalcap).
+
+``official=True`` is what papers report: the Stanford PTB tokenizer, BLEU-1..4, METEOR, ROUGE-L,
+CIDEr-D (and SPICE when its Stanford CoreNLP models are installed); it needs Java.
+``official=False`` (validation during training) tokenises in Python the same way (lower case,
+punctuation removed) and computes the Java-free metrics: BLEU-1..4, ROUGE-L and CIDEr-D.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import shutil
+from pathlib import Path
+
+from showattendtell.vocab import tokenize
+
+log = logging.getLogger(__name__)
+
+METRIC_KEYS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
+
+
+class MetricsError(RuntimeError):
+    """The official scorer cannot run here; the message says what to install."""
+
+
+def java_available() -> bool:
+    return shutil.which("java") is not None
+
+
+def spice_available() -> bool:
+    import pycocoevalcap.spice as spice
+
+    return (Path(spice.__file__).parent / "lib" / "stanford-corenlp-3.6.0.jar").is_file()
+
+
+def _ptb_tokenize(captions: dict[str, list[str]]) -> dict[str, list[str]]:
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    return PTBTokenizer().tokenize({k: [{"caption": c} for c in v] for k, v in captions.items()})
+
+
+def score_captions(
+    predictions: dict[str, str],
+    references: dict[str, list[str]],
+    official: bool = True,
+    spice: bool = True,
+) -> dict[str, float]:
+    """Corpus-level scores of one predicted caption per image against its references."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+
+    missing = [k for k in predictions if k not in references]
+    if missing:
+        raise ValueError(f"{len(missing)} predictions have no references (e.g. {missing[0]!r})")
+    if not predictions:
+        raise ValueError("no captions to score")
+    keys = list(predictions)
+    if official:
+        if not java_available():
+            raise MetricsError(
+                "the official COCO metrics (PTB tokenizer, METEOR) need Java: install a Java "
+                "runtime (e.g. `apt-get install default-jre-headless`) and try again"
+            )
+        res = _ptb_tokenize({k: [predictions[k]] for k in keys})
+        gts = _ptb_tokenize({k: references[k] for k in keys})
+    else:
+        res = {k: [" ".join(tokenize(predictions[k]))] for k in keys}
+        gts = {k: [" ".join(tokenize(r)) for r in references[k]] for k in keys}
+
+    scorers: list[tuple[object, list[str] | str]] = [
+        (Bleu(4), ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]), (Rouge(), "ROUGE_L"),
+        (Cider(), "CIDEr"),
+    ]
+    if official:
+        from pycocoevalcap.meteor.meteor import Meteor
+
+        scorers.insert(1, (Meteor(), "METEOR"))
+        if spice and spice_available():
+            from pycocoevalcap.spice.spice import Spice
+
+            scorers.append((Spice(), "SPICE"))
+        elif spice:
+            log.warning("SPICE skipped: its Stanford CoreNLP models are not installed "
+                        "(pycocoevalcap/spice/get_stanford_models.py downloads them)")
+    scores: dict[str, float] = {}
+    for scorer, names in scorers:
+        with contextlib.redirect_stdout(io.StringIO()):  # the scorers print their progress
+            value, _ = scorer.compute_score(gts, res)
+        if isinstance(names, list):
+            scores.update(zip(names, map(float, value), strict=True))
+        else:
+            scores[names] = float(value)
+    return scores

@@ -1,0 +1,108 @@
+"""The exported model file: one self-describing, pickle-free ``.safetensors`` file.
+
+Tensors are the CaptionModel's state dict (encoder included, so no download is needed at load
+time); the header's string metadata holds the format tag, the architecture (JSON), the default
+decoding settings (JSON) and the vocabulary (JSON word list).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorsError
+from safetensors.torch import load_file, save_file
+
+from showattendtell.decoder import DecoderConfig
+from showattendtell.encoder import EncoderConfig
+from showattendtell.model import CaptionModel, DecodingConfig
+from showattendtell.vocab import Vocabulary
+
+FORMAT = "showattendtell/caption-model"
+VERSION = "1"
+
+
+class ModelFileError(ValueError):
+    """Not a model file we can load; the message says what it is and what to do."""
+
+
+def save_model(
+    model: CaptionModel,
+    path: str | Path,
+    decoding: DecodingConfig | None = None,
+    half: bool = False,
+    info: dict | None = None,
+) -> Path:
+    """Write ``model`` to ``path`` (atomically). ``half`` stores weights as float16, except
+    tensors that would overflow (e.g. BatchNorm variances of converted Caffe weights)."""
+    path = Path(path)
+    state = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().cpu().contiguous()
+        if half and v.is_floating_point():
+            v16 = v.half()
+            v = v16 if bool(torch.isfinite(v16).all()) and "running_" not in k else v
+        state[k] = v
+    enc = asdict(model.encoder.config)
+    enc["weights"] = None  # the weights are in this file
+    enc["fine_tune_stages"] = 0
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "encoder": json.dumps(enc),
+        "decoder": json.dumps(asdict(model.decoder.config)),
+        "decoding": json.dumps(asdict(decoding or DecodingConfig())),
+        "vocab": model.vocab.to_json(),
+        "info": json.dumps(info or {}),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, str(tmp), metadata=meta)
+    tmp.replace(path)
+    return path
+
+
+def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
+    """Load a model file written by ``save_model`` (float32 on the CPU, in eval mode)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"model file not found: {path}")
+    if path.suffix == ".ckpt":
+        raise ModelFileError(
+            f"{path} is a training checkpoint: export it first with `sat export {path} MODEL`"
+        )
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise ModelFileError(f"{path} is a safetensors file but not a showattendtell model")
+        if meta.get("version") != VERSION:
+            raise ModelFileError(
+                f"{path} has model-file version {meta.get('version')}; this showattendtell "
+                f"reads version {VERSION}: upgrade the package"
+            )
+        state = load_file(str(path))
+    except ModelFileError:
+        raise
+    except (SafetensorsError, OSError, ValueError) as e:
+        raise ModelFileError(
+            f"{path} is not a valid model file (truncated or another format): {e}"
+        ) from None
+    try:
+        encoder = EncoderConfig(**json.loads(meta["encoder"]))
+        decoder = DecoderConfig(**json.loads(meta["decoder"]))
+        decoding = DecodingConfig(**json.loads(meta["decoding"]))
+        vocab = Vocabulary.from_json(meta["vocab"])
+        info = json.loads(meta.get("info", "{}"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFileError(f"{path}: damaged model description ({e})") from None
+    model = CaptionModel(vocab, encoder, decoder, load_encoder_weights=False)
+    expected = model.state_dict()
+    if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in state):
+        raise ModelFileError(f"{path}: the weights do not match the model it describes")
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return model.eval(), decoding, info

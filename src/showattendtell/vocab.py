@@ -1,0 +1,87 @@
+"""Caption tokenisation and the word <-> index vocabulary saved with every model."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+from nltk.tokenize import TreebankWordTokenizer
+
+PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
+SPECIALS = (PAD, START, END, UNK)
+
+# The punctuation tokens the COCO caption toolkit (pycocoevalcap's PTBTokenizer) removes.
+PUNCTUATION = {
+    "''", "'", "``", "`", "-lrb-", "-rrb-", "-lcb-", "-rcb-", "(", ")", "{", "}", "[", "]",
+    ".", "?", "!", ",", ":", "-", "--", "...", ";", '"',
+}
+
+# Treebank needs no downloaded nltk data (unlike word_tokenize, which needs punkt).
+_TREEBANK = TreebankWordTokenizer()
+
+
+def tokenize(caption: str) -> list[str]:
+    """Lower-case Penn-Treebank tokens with punctuation stripped, as the COCO toolkit does."""
+    tokens = _TREEBANK.tokenize(caption.lower().replace("\n", " "))
+    return [t for t in tokens if t not in PUNCTUATION and not all(c in ".-" for c in t)]
+
+
+class Vocabulary:
+    """Maps words to indices; indices 0..3 are <pad> <start> <end> <unk>."""
+
+    def __init__(self, words: Iterable[str]):
+        self.itos: list[str] = list(words)
+        if tuple(self.itos[:4]) != SPECIALS:
+            raise ValueError(f"a vocabulary must start with {SPECIALS}")
+        self.stoi = {w: i for i, w in enumerate(self.itos)}
+        if len(self.stoi) != len(self.itos):
+            raise ValueError("a vocabulary must not repeat words")
+
+    pad = property(lambda self: 0)
+    start = property(lambda self: 1)
+    end = property(lambda self: 2)
+    unk = property(lambda self: 3)
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    @classmethod
+    def build(cls, captions: Iterable[str], min_count: int = 5) -> Vocabulary:
+        """Words seen at least ``min_count`` times, most frequent first (ties alphabetical)."""
+        counts = Counter(tok for c in captions for tok in tokenize(c))
+        words = sorted((w for w, n in counts.items() if n >= min_count and w not in SPECIALS),
+                       key=lambda w: (-counts[w], w))
+        return cls([*SPECIALS, *words])
+
+    def encode(self, caption: str) -> list[int]:
+        """``<start> w1 .. wn <end>`` as indices; unknown words map to ``<unk>``."""
+        return [self.start, *(self.stoi.get(t, self.unk) for t in tokenize(caption)), self.end]
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        """Words up to the first ``<end>``, specials dropped."""
+        words = []
+        for i in ids:
+            i = int(i)
+            if i == self.end:
+                break
+            if i >= 4:
+                words.append(self.itos[i])
+            elif i == self.unk:
+                words.append(UNK)
+        return words
+
+    def to_json(self) -> str:
+        return json.dumps(self.itos, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Vocabulary:
+        return cls(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Vocabulary:
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))

@@ -1,0 +1,67 @@
+import torch
+
+from showattendtell.decoder import Decoder, DecoderConfig
+from showattendtell.losses import doubly_stochastic_penalty, soft_attention_loss
+
+
+def make_batch(B=4, T=7, L=9, D=12, V=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(B, L, D, generator=g)
+    lengths = torch.randint(2, T + 1, (B,), generator=g)
+    lengths[0] = T
+    caps = torch.zeros(B, T + 1, dtype=torch.long)
+    for b, n in enumerate(lengths.tolist()):
+        caps[b, 0] = 1
+        caps[b, 1:n] = torch.randint(4, V, (n - 1,), generator=g)
+        caps[b, n] = 2
+    return a, caps, lengths
+
+
+def small_decoder(V=30, D=12, attention="soft", seed=0):
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(attention=attention, embed_dim=8, hidden_dim=10, attention_dim=6,
+                        dropout=0.0)
+    return Decoder(V, D, cfg)
+
+
+def test_attention_weights_sum_to_one_at_every_step():
+    a, caps, lengths = make_batch()
+    out = small_decoder()(a, caps, lengths)
+    sums = out.alphas.sum(2)  # (B, T)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.allclose(sums[b, :n], torch.ones(n), atol=1e-5)
+        assert torch.all(sums[b, n:] == 0)  # nothing after the caption ends
+    assert (out.alphas >= 0).all()
+
+
+def test_padding_never_reaches_the_loss():
+    a, caps, lengths = make_batch()
+    dec = small_decoder()
+    loss1 = soft_attention_loss(dec(a, caps, lengths), 4).loss
+    grads1 = torch.autograd.grad(loss1, list(dec.parameters()))
+    noisy = caps.clone()
+    for b, n in enumerate(lengths.tolist()):
+        noisy[b, n + 1:] = torch.randint(4, 30, (caps.size(1) - n - 1,))  # garbage as padding
+    loss2 = soft_attention_loss(dec(a, noisy, lengths), 4).loss
+    grads2 = torch.autograd.grad(loss2, list(dec.parameters()))
+    assert torch.allclose(loss1, loss2)
+    for g1, g2 in zip(grads1, grads2, strict=True):
+        assert torch.allclose(g1, g2, atol=1e-6)
+
+
+def test_doubly_stochastic_penalty_matches_hand_computation():
+    # one caption, 2 steps, 3 locations: sum_t alpha = (0.7, 0.9, 0.4)
+    alphas = torch.tensor([[[0.5, 0.3, 0.2], [0.2, 0.6, 0.2]]])
+    expected = (1 - 0.7) ** 2 + (1 - 0.9) ** 2 + (1 - 0.4) ** 2
+    assert torch.allclose(doubly_stochastic_penalty(alphas), torch.tensor([expected]))
+
+
+def test_soft_loss_is_nll_plus_lambda_times_penalty():
+    a, caps, lengths = make_batch()
+    out = small_decoder()(a, caps, lengths)
+    plain = soft_attention_loss(out, 4, lam=0.0)
+    reg = soft_attention_loss(out, 4, lam=1.0)
+    expected = plain.loss + doubly_stochastic_penalty(out.alphas).mean()
+    assert torch.allclose(reg.loss, expected)
+    # the per-token NLL counts the real tokens only
+    assert torch.allclose(plain.nll * lengths.sum(), -plain.log_likelihood.sum())
