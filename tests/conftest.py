@@ -52,3 +52,20 @@ def write_flickr8k_folder(root: Path, n_train: int = 24, n_dev: int = 8, seed: i
 @pytest.fixture(scope="session")
 def synthetic_flickr(tmp_path_factory) -> Path:
     return write_flickr8k_folder(tmp_path_factory.mktemp("flickr8k_synthetic"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_file(tmp_path_factory) -> Path:
+    """An exported model file (soft attention) trained in seconds on synthetic shapes."""
+    from tiny_model import train_tiny_model
+
+    return train_tiny_model(tmp_path_factory.mktemp("models") / "tiny.safetensors")
+
+
+@pytest.fixture(scope="session")
+def tiny_hard_model_file(tmp_path_factory) -> Path:
+    """The same with hard attention (decoded with the argmax location)."""
+    from tiny_model import train_tiny_model
+
+    return train_tiny_model(tmp_path_factory.mktemp("models") / "tiny_hard.safetensors",
+                            attention="hard")

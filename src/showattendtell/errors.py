@@ -1,8 +1,11 @@
-"""Errors that mean 'bad input': the CLI prints their one-line message instead of a traceback."""
+"""The base of every 'bad input' error: the CLI prints its one-line message, not a traceback.
 
-from showattendtell.data.datasets import DatasetError
-from showattendtell.images import ImageError
-from showattendtell.metrics import MetricsError
-from showattendtell.model_file import ModelFileError
+Subclasses say what was wrong and what to do (a missing file, an undecodable image, a foreign
+model file, a dataset folder laid out wrongly, no Java for the official metrics, ...).
+"""
 
-USER_ERRORS = (DatasetError, ImageError, MetricsError, ModelFileError, FileNotFoundError)
+
+class UserError(Exception):
+    """Bad input or environment; ``exit_code`` 2 for usage errors, 1 for failures."""
+
+    exit_code = 1

@@ -11,12 +11,13 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.transforms.v2 import functional as TF
 
 from showattendtell.encoder import IMAGENET_MEAN, IMAGENET_STD
+from showattendtell.errors import UserError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MAX_PIXELS = 64_000_000  # 8000x8000; larger files are refused before they are decoded
 
 
-class ImageError(ValueError):
+class ImageError(UserError, ValueError):
     """The input is not an image we can decode; the message says why in one line."""
 
 

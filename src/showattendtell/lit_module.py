@@ -37,6 +37,12 @@ class OptimizerConfig:
     lr_decay_every: int = 1  # ... every this many epochs (StepLR)
 
 
+def _as(cls, value, **defaults):
+    if value is None:
+        return cls(**defaults)
+    return cls(**value) if isinstance(value, dict) else value
+
+
 class CaptionModule(L.LightningModule):
     """Trains a CaptionModel with soft (deterministic) or hard (REINFORCE) attention.
 
@@ -60,10 +66,12 @@ class CaptionModule(L.LightningModule):
         val_decoding: DecodingConfig | None = None,
     ):
         super().__init__()
-        encoder, decoder = encoder or EncoderConfig(), decoder or DecoderConfig()
-        self.hard_cfg = hard or HardAttentionConfig()
-        self.opt_cfg = optimizer or OptimizerConfig()
-        self.val_decoding = val_decoding or DecodingConfig(beam_size=1)
+        # load_from_checkpoint passes the saved hyperparameters back as plain dicts
+        encoder = _as(EncoderConfig, encoder)
+        decoder = _as(DecoderConfig, decoder)
+        self.hard_cfg = _as(HardAttentionConfig, hard)
+        self.opt_cfg = _as(OptimizerConfig, optimizer)
+        self.val_decoding = _as(DecodingConfig, val_decoding, beam_size=1)
         self.save_hyperparameters({
             "vocab": list(vocab), "encoder": asdict(encoder), "decoder": asdict(decoder),
             "doubly_stochastic": doubly_stochastic, "hard": asdict(self.hard_cfg),
@@ -71,7 +79,6 @@ class CaptionModule(L.LightningModule):
         })
         self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
         self.register_buffer("baseline", torch.zeros(()))  # REINFORCE moving average
-        self.strict_loading = False  # frozen encoder weights are not stored in checkpoints
         self._val_predictions: dict[str, str] = {}
 
     @property
@@ -164,10 +171,3 @@ class CaptionModule(L.LightningModule):
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, cfg.lr_decay_every, cfg.lr_decay)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # A frozen encoder is rebuilt from its config (weights file / torchvision) at load time.
-        if not self.model.encoder.trainable:
-            sd = checkpoint["state_dict"]
-            for k in [k for k in sd if k.startswith("model.encoder.")]:
-                del sd[k]

@@ -14,6 +14,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from showattendtell.errors import UserError
 from showattendtell.vocab import tokenize
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 METRIC_KEYS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
 
 
-class MetricsError(RuntimeError):
+class MetricsError(UserError, RuntimeError):
     """The official scorer cannot run here; the message says what to install."""
 
 

@@ -12,11 +12,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from showattendtell.decoder import DecoderConfig
 from showattendtell.encoder import EncoderConfig
+from showattendtell.errors import UserError
 from showattendtell.model import CaptionModel, DecodingConfig
 from showattendtell.vocab import Vocabulary
 
@@ -24,7 +25,7 @@ FORMAT = "showattendtell/caption-model"
 VERSION = "1"
 
 
-class ModelFileError(ValueError):
+class ModelFileError(UserError, ValueError):
     """Not a model file we can load; the message says what it is and what to do."""
 
 
@@ -88,7 +89,7 @@ def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
         state = load_file(str(path))
     except ModelFileError:
         raise
-    except (SafetensorsError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError) as e:
         raise ModelFileError(
             f"{path} is not a valid model file (truncated or another format): {e}"
         ) from None

@@ -12,6 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from showattendtell.errors import UserError
+
 log = logging.getLogger(__name__)
 
 DATASETS = ("flickr8k", "karpathy", "coco")
@@ -36,7 +38,7 @@ class Split:
         return sum(len(im.captions) for im in self.images)
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """The dataset folder is not laid out as expected; the message says what to do."""
 
 
