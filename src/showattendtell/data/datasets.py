@@ -29,30 +29,60 @@ class CaptionedImage:
 
 @dataclass
 class Split:
+    """The images of a split whose files exist, plus the annotated ones that are absent.
+
+    ``len(images) + len(missing)`` is the size of the split as published (Flickr8k: 6000 /
+    1000 / 1000), whatever part of it is on disk.
+    """
+
     name: str
     images: list[CaptionedImage]
     missing: list[Path] = field(default_factory=list)  # annotated images whose file is absent
+    image_dir: Path | None = None  # where the images were looked for (for error messages)
+    missing_captions: int = 0
 
     @property
     def num_captions(self) -> int:
         return sum(len(im.captions) for im in self.images)
+
+    @property
+    def num_annotated(self) -> int:
+        """Images the annotations list for this split, present or not."""
+        return len(self.images) + len(self.missing)
+
+    def require_images(self) -> None:
+        """Raise MissingImagesError when none of the split's images is on disk.
+
+        Training and evaluation can work on the part that is present (with the summary
+        warning); a split with no image at all is a layout mistake or withheld data.
+        """
+        if not self.images:
+            where = self.image_dir or "the dataset folder"
+            raise MissingImagesError(
+                f"{self.name}: none of its {len(self.missing)} images is in {where} "
+                f"({len(self.missing)} missing); put the image files there (see data/README.md)"
+            )
 
 
 class DatasetError(UserError, ValueError):
     """The dataset folder is not laid out as expected; the message says what to do."""
 
 
-def _finish(name: str, candidates: list[CaptionedImage], where: str) -> Split:
+class MissingImagesError(DatasetError):
+    """A split was asked for whose image files are absent (e.g. withheld test images)."""
+
+
+def _finish(name: str, candidates: list[CaptionedImage], where: Path) -> Split:
     present, missing = [], []
     for im in candidates:
         (present if im.path.is_file() else missing).append(im)
+    n_caps = sum(len(im.captions) for im in missing)
     if missing:
-        n_caps = sum(len(im.captions) for im in missing)
         log.warning(
-            "%s: skipped %d annotated images (%d captions) whose files are not in %s",
-            name, len(missing), n_caps, where,
+            "%s: skipped %d of %d annotated images (%d captions) whose files are not in %s",
+            name, len(missing), len(candidates), n_caps, where,
         )
-    return Split(name, present, [im.path for im in missing])
+    return Split(name, present, [im.path for im in missing], Path(where), n_caps)
 
 
 # -- Flickr8k, original release ---------------------------------------------------------------
@@ -87,7 +117,7 @@ def load_flickr8k(root: str | Path, split: str) -> Split:
     names = [n.strip() for n in split_file.read_text().splitlines() if n.strip()]
     image_dir = _find_flickr_images(root)
     items = [CaptionedImage(n, image_dir / n, captions[n]) for n in names if captions.get(n)]
-    return _finish(f"flickr8k/{split}", items, str(image_dir))
+    return _finish(f"flickr8k/{split}", items, image_dir)
 
 
 # -- Karpathy's dataset_{flickr8k,flickr30k,coco}.json ------------------------------------------
@@ -97,7 +127,17 @@ KARPATHY_SPLITS = {"train": ("train",), "train+restval": ("train", "restval"),
 
 
 def _find_karpathy_json(root: Path) -> Path | None:
+    """``dataset_*.json`` in root or in the ``caption_datasets/`` folder `sat data` unpacks."""
     found = sorted(root.glob("dataset_*.json"))
+    found = found or sorted(root.glob("caption_datasets/dataset_*.json"))
+    if len(found) > 1:  # caption_datasets.zip has all three: take the one the folder is named after
+        named = [f for f in found if f.stem.removeprefix("dataset_") in root.resolve().name.lower()]
+        found = named if len(named) == 1 else found
+    if len(found) > 1:
+        raise DatasetError(
+            f"several Karpathy split files in {root} ({', '.join(f.name for f in found)}): "
+            "keep the one of this dataset"
+        )
     return found[0] if found else None
 
 
@@ -121,12 +161,16 @@ def load_karpathy(root: str | Path, split: str, json_file: str | Path | None = N
         key = str(im.get("cocoid", im["filename"]))
         caps = [s["raw"].strip() for s in im["sentences"]]
         items.append(CaptionedImage(key, path, caps, im.get("cocoid")))
-    return _finish(f"{json_path.name}/{split}", items, str(base))
+    return _finish(f"{json_path.name}/{split}", items, base)
+
+
+_FLICKR_IMAGE_DIRS = ("Flicker8k_Dataset", "Flickr8k_Dataset", "flickr30k-images",
+                      "flickr30k_images")
 
 
 def _karpathy_image_path(base: Path, im: dict) -> Path:
     candidates = [base / im.get("filepath", "") / im["filename"], base / "images" / im["filename"],
-                  base / im["filename"]]
+                  base / im["filename"], *(base / d / im["filename"] for d in _FLICKR_IMAGE_DIRS)]
     if "filepath" in im:
         candidates.insert(1, base / "images" / im["filepath"] / im["filename"])
     return next((p for p in candidates if p.is_file()), candidates[0])
@@ -150,8 +194,10 @@ def load_coco(root: str | Path, split: str) -> Split:
     """COCO captions. With Karpathy's ``dataset_coco.json`` in root, its train/restval/val/test
     split; otherwise the official train/val files read with pycocotools."""
     root = Path(root)
-    karpathy = root / "dataset_coco.json"
-    if karpathy.is_file():
+    karpathy = next((f for f in (root / "dataset_coco.json",
+                                 root / "caption_datasets" / "dataset_coco.json") if f.is_file()),
+                    None)
+    if karpathy is not None:
         return load_karpathy(root, split, karpathy)
     if split not in ("train", "val"):
         raise DatasetError(
@@ -173,7 +219,7 @@ def load_coco(root: str | Path, split: str) -> Split:
         info = coco.loadImgs(img_id)[0]
         caps = [a["caption"].strip() for a in coco.loadAnns(coco.getAnnIds(imgIds=img_id))]
         items.append(CaptionedImage(str(img_id), image_dir / info["file_name"], caps, img_id))
-    return _finish(f"coco/{ann_file.name}", items, str(image_dir))
+    return _finish(f"coco/{ann_file.name}", items, image_dir)
 
 
 def _quiet_coco(COCO, ann_file: Path):
