@@ -12,6 +12,7 @@ import contextlib
 import io
 import logging
 import shutil
+import subprocess
 from pathlib import Path
 
 from showattendtell.errors import UserError
@@ -31,9 +32,14 @@ def java_available() -> bool:
 
 
 def spice_available() -> bool:
-    import pycocoevalcap.spice as spice
+    """SPICE needs Stanford CoreNLP 3.6.0 and its models jar next to spice-1.0.jar.
 
-    return (Path(spice.__file__).parent / "lib" / "stanford-corenlp-3.6.0.jar").is_file()
+    pycocoevalcap would otherwise try to download them (about 1 GB) in the middle of scoring.
+    """
+    import pycocoevalcap.spice.spice as spice
+
+    lib = Path(spice.__file__).parent / "lib"
+    return all((lib / f"stanford-corenlp-3.6.0{s}.jar").is_file() for s in ("", "-models"))
 
 
 def _ptb_tokenize(captions: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -88,8 +94,14 @@ def score_captions(
                         "(pycocoevalcap/spice/get_stanford_models.py downloads them)")
     scores: dict[str, float] = {}
     for scorer, names in scorers:
-        with contextlib.redirect_stdout(io.StringIO()):  # the scorers print their progress
-            value, _ = scorer.compute_score(gts, res)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # the scorers print their progress
+                value, _ = scorer.compute_score(gts, res)
+        except (subprocess.CalledProcessError, OSError) as e:
+            if names != "SPICE":
+                raise MetricsError(f"the COCO caption toolkit failed computing {names}: {e}") from e
+            log.warning("SPICE skipped: its Java scorer failed (%s)", e)
+            continue
         if isinstance(names, list):
             scores.update(zip(names, map(float, value), strict=True))
         else:

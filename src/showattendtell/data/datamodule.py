@@ -27,7 +27,7 @@ class _Source:
 
     def __call__(self, im: CaptionedImage) -> torch.Tensor | None:
         if self.cache is not None:
-            return self.cache[im.image_id] if im.image_id in self.cache else None
+            return self.cache.get(im.image_id)
         try:
             return preprocess(open_image(im.path), self.input_size)
         except ImageError as e:  # reported and skipped, never a crash mid-epoch
@@ -141,7 +141,8 @@ class CaptionDataModule(L.LightningDataModule):
             if self.hparams.vocab_file:
                 self._vocab = Vocabulary.load(self.hparams.vocab_file)
             else:
-                caps = (c for im in self.split(self.hparams.train_split).images for c in im.captions)
+                train = self.split(self.hparams.train_split).images
+                caps = (c for im in train for c in im.captions)
                 self._vocab = Vocabulary.build(caps, self.hparams.min_word_count)
         return self._vocab
 
@@ -170,20 +171,28 @@ class CaptionDataModule(L.LightningDataModule):
         if not self.hparams.feature_cache:
             return
         cache = FeatureCache.for_config(self.hparams.feature_cache, self.encoder_config)
-        todo = cache.missing(self.split(self.hparams.train_split).images + self.val_images())
+        train = self.split(self.hparams.train_split)
+        train.require_images()
+        todo = cache.missing(train.images + self.val_images())
         if todo:
             log.info("extracting encoder features of %d images into %s", len(todo), cache.dir)
             device = "cuda" if torch.cuda.is_available() else "cpu"
             cache.extract(todo, Encoder(self.encoder_config), self.hparams.extract_batch_size,
                           self.hparams.num_workers, device=device)
+        log.info("feature cache %s: %d images, %.2f GB%s", cache.dir, len(cache),
+                 cache.size_bytes() / 1e9,
+                 f", {len(cache.failed)} undecodable (failed.json)" if cache.failed else "")
 
     def setup(self, stage: str | None = None) -> None:
         source, h = self._source(), self.hparams
         if stage in ("fit", None):
-            self.train_set = CaptionPairs(self.split(h.train_split).images, self.vocab, source,
-                                          h.max_caption_length)
-        self.val_set = ImagesWithReferences(self.val_images(), self.vocab, source,
-                                            h.max_caption_length)
+            train = self.split(h.train_split)
+            train.require_images()
+            _warn_uncached(source, train.images, h.train_split)
+            self.train_set = CaptionPairs(train.images, self.vocab, source, h.max_caption_length)
+        val = self.val_images()
+        _warn_uncached(source, val, h.val_split)
+        self.val_set = ImagesWithReferences(val, self.vocab, source, h.max_caption_length)
 
     def _loader(self, ds: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
         h = self.hparams
@@ -196,6 +205,17 @@ class CaptionDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, self.hparams.val_batch_size, shuffle=False)
+
+
+def _warn_uncached(source: _Source, images: list[CaptionedImage], split: str) -> None:
+    """Images without cached features (undecodable, or not extracted yet) are skipped: say so."""
+    if source.cache is None:
+        return
+    absent = sum(1 for im in images if im.image_id not in source.cache)
+    if absent:
+        log.warning("%s: %d of %d images have no cached features (undecodable ones are listed in "
+                    "%s/failed.json; run `sat features` for the rest) and are skipped",
+                    split, absent, len(images), source.cache.dir)
 
 
 def _seed_worker(worker_id: int) -> None:

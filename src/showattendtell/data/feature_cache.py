@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -29,10 +30,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from showattendtell.data.datasets import CaptionedImage
 from showattendtell.encoder import Encoder, EncoderConfig
+from showattendtell.errors import UserError
 from showattendtell.images import ImageError, open_image, preprocess
 from showattendtell.progress import ProgressBar
 
 log = logging.getLogger(__name__)
+
+
+class FeatureCacheError(UserError, ValueError):
+    """The cache folder does not hold what its name says; the message says what to do."""
 
 
 def cache_dir_for(cache_root: str | Path, config: EncoderConfig) -> Path:
@@ -54,7 +60,7 @@ class FeatureCache:
         self.dir = Path(directory)
         meta_file = self.dir / "meta.json"
         if not meta_file.is_file():
-            raise FileNotFoundError(f"no feature cache in {self.dir} (meta.json missing)")
+            raise FeatureCacheError(f"no feature cache in {self.dir} (meta.json missing)")
         self.meta = json.loads(meta_file.read_text())
         self.index: dict[str, tuple[int, int]] = {}
         self.shards: list[Path] = sorted(self.dir.glob("shard-*.npy"))
@@ -76,7 +82,9 @@ class FeatureCache:
         if meta_file.is_file():
             old = json.loads(meta_file.read_text())
             if old.get("fingerprint") != meta["fingerprint"]:
-                raise ValueError(f"{d} holds features of another encoder configuration")
+                raise FeatureCacheError(
+                    f"{d} holds features of another encoder configuration: delete that folder"
+                )
         else:
             _atomic_write_text(meta_file, json.dumps(meta, indent=1))
         return cls(d)
@@ -94,14 +102,23 @@ class FeatureCache:
             arr = self._arrays[s] = np.load(self.shards[s], mmap_mode="r")
         return torch.from_numpy(np.asarray(arr[row], dtype=np.float32))
 
+    def get(self, key: str) -> torch.Tensor | None:
+        """The features of an image, or None when it is not cached (or failed to decode)."""
+        return self[key] if key in self.index else None
+
     def __getstate__(self):  # DataLoader workers reopen the memory maps themselves
         state = self.__dict__.copy()
         state["_arrays"] = {}
         return state
 
     def missing(self, images: Sequence[CaptionedImage]) -> list[CaptionedImage]:
-        return [im for im in images if im.image_id not in self.index
-                and im.image_id not in self.failed]
+        """The images (each once) with neither cached features nor a recorded failure."""
+        todo = {im.image_id: im for im in images
+                if im.image_id not in self.index and im.image_id not in self.failed}
+        return list(todo.values())
+
+    def size_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.shards)
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -126,7 +143,9 @@ class FeatureCache:
         keys: list[str] = []
         rows: list[np.ndarray] = []
         done = 0
-        with torch.inference_mode(), ProgressBar(len(todo), "features", None if progress else False) as bar:
+        bar_enabled = None if progress else False
+        rate = _RateLog(len(todo), enabled=progress)
+        with torch.inference_mode(), ProgressBar(len(todo), "features", bar_enabled) as bar:
             for batch_keys, batch, failures in loader:
                 for key, reason in failures:
                     log.warning("skipping %s: %s", key, reason)
@@ -139,11 +158,16 @@ class FeatureCache:
                     done += self._write_shard(keys[:shard_size], rows, shard_size)
                     keys = keys[shard_size:]
                 bar(len(batch_keys) + len(failures))
+                rate(len(batch_keys) + len(failures))
         if keys:
             done += self._write_shard(keys, rows, len(keys))
+        self._write_failed()
+        rate.finish(done, self.size_bytes())
+        return done
+
+    def _write_failed(self) -> None:
         if self.failed:
             _atomic_write_text(self.dir / "failed.json", json.dumps(self.failed, indent=1))
-        return done
 
     def _write_shard(self, keys: list[str], rows: list[np.ndarray], n: int) -> int:
         stacked = np.concatenate(rows)
@@ -162,7 +186,39 @@ class FeatureCache:
         self.shards.append(path)
         for row, key in enumerate(keys):
             self.index[key] = (s, row)
+        self._write_failed()  # an interrupted run keeps the failures found so far
         return n
+
+
+class _RateLog:
+    """Progress lines for runs without a terminal (logs, batch jobs), where the bar is silent."""
+
+    def __init__(self, total: int, enabled: bool = True, every_s: float = 60.0):
+        self.total, self.every_s = total, every_s
+        self.enabled = enabled and not _stderr_isatty()
+        self.start = self.last = time.monotonic()
+        self.count = 0
+
+    def __call__(self, n: int) -> None:
+        self.count += n
+        now = time.monotonic()
+        if self.enabled and now - self.last >= self.every_s:
+            self.last = now
+            speed = self.count / max(now - self.start, 1e-9)
+            eta = (self.total - self.count) / speed if speed else float("inf")
+            log.info("features: %d/%d images, %.1f img/s, %.0f min left",
+                     self.count, self.total, speed, eta / 60)
+
+    def finish(self, stored: int, size: int) -> None:
+        elapsed = time.monotonic() - self.start
+        log.info("features: stored %d images in %.0f s (%.1f img/s); cache now %.2f GB",
+                 stored, elapsed, self.count / max(elapsed, 1e-9), size / 1e9)
+
+
+def _stderr_isatty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
 
 
 class _ImageFiles(Dataset):
