@@ -1,0 +1,257 @@
+"""`sat caption`: real photos mixed with bad files, output formats, usage errors, kill and resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import COCO_SUBSET, needs_coco_subset
+from PIL import Image
+
+from showattendtell.batch import overlay_name, read_done
+from showattendtell.cli import main
+
+pytestmark = needs_coco_subset
+
+
+def photos(n: int) -> list[Path]:
+    return sorted((COCO_SUBSET / "images").glob("*.jpg"))[:n]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    text = path.read_text()
+    assert text == "" or text.endswith("\n"), "the last line is truncated"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture
+def mixed_folder(tmp_path: Path) -> Path:
+    """Real photos in every supported format, nested folders, and files that are not images."""
+    root = tmp_path / "photos"
+    (root / "nested" / "deeper").mkdir(parents=True)
+    src = photos(6)
+    for p in src[:3]:
+        shutil.copy(p, root / p.name)
+    shutil.copy(src[3], root / "nested" / src[3].name)
+    shutil.copy(src[4], root / "nested" / "deeper" / src[4].name)
+    im = Image.open(src[5]).convert("RGB")
+    im.save(root / "as.png")
+    im.save(root / "as.webp")
+    im.save(root / "nested" / "as.bmp")
+    im.save(root / "nested" / "as.tiff")
+    frames = [im.convert("P"), Image.new("RGB", im.size, (0, 0, 0)).convert("P")]
+    frames[0].save(root / "animated.gif", save_all=True, append_images=frames[1:], duration=100)
+    (root / "notes.jpg").write_text("this is not a JPEG\n")
+    (root / "empty.jpg").write_bytes(b"")
+    data = src[0].read_bytes()
+    (root / "nested" / "truncated.jpg").write_bytes(data[: len(data) // 3])
+    (root / "README.txt").write_text("not an image suffix: not listed\n")
+    return root
+
+
+BAD = {"photos/notes.jpg", "photos/empty.jpg", "photos/nested/truncated.jpg"}
+
+
+def test_mixed_folder_recursive_jsonl(mixed_folder, tiny_model_file, tmp_path, monkeypatch,
+                                      capsys):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "captions.jsonl"
+    rc = main(["caption", "photos", "--recursive", "--output", str(out), "--model",
+               str(tiny_model_file), "--workers", "2", "--batch-size", "4", "--beam-size", "3"])
+    assert rc == 1  # some files failed
+    records = read_jsonl(out)
+    paths = [r["path"] for r in records]
+    expected = sorted(str(p.relative_to(tmp_path)) for p in mixed_folder.rglob("*")
+                      if p.is_file() and p.suffix != ".txt")
+    assert paths == expected  # input order, each once, paths as found under what was typed
+    assert len(paths) == 13
+    for r in records:
+        if r["path"] in BAD:
+            assert set(r) == {"path", "error"} and r["error"]
+        else:
+            assert "error" not in r
+            assert isinstance(r["caption"], str) and r["caption"]
+            assert r["caption"] == " ".join(r["words"])
+            assert isinstance(r["score"], float) and r["score"] <= 0
+    err = capsys.readouterr().err
+    assert "captioned 10; failed 3" in err
+    assert "photos/empty.jpg: the file is empty" in err
+    assert "photos/notes.jpg: not an image file" in err
+    assert "photos/nested/truncated.jpg: the image data is corrupt" in err
+
+    # batched beam search over the folder gives what captioning each image alone gives
+    from showattendtell.inference import load_model
+
+    captioner = load_model(tiny_model_file, "cpu")
+    by_path = {r["path"]: r for r in records}
+    for name in ("photos/as.png", "photos/nested/deeper/" + photos(5)[4].name):
+        alone = captioner.caption([tmp_path / name], beam_size=3)[0]
+        assert by_path[name]["caption"] == alone.caption
+        assert by_path[name]["score"] == pytest.approx(alone.score, abs=1e-3)
+
+    # without --recursive only the top folder
+    rc = main(["caption", "photos", "-o", str(out), "--model", str(tiny_model_file),
+               "--workers", "0", "--beam-size", "1"])
+    assert rc == 1
+    assert [r["path"] for r in read_jsonl(out)] == [p for p in expected if p.count("/") == 1]
+
+
+def test_csv_attention_and_overlays(tiny_model_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    src = photos(3)
+    for p in src:
+        shutil.copy(p, tmp_path / p.name)
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    args = [p.name for p in src] + ["broken.png"]
+    rc = main(["caption", *args, "-o", "out.csv", "--with-attention", "--overlays", "sheets",
+               "--model", str(tiny_model_file), "--workers", "1", "--batch-size", "2"])
+    assert rc == 1
+    with open("out.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["path"] for r in rows] == args  # CSV chosen from the suffix; order as given
+    grid = 2  # the tiny model's 64 px input gives a 2x2 grid
+    for r in rows[:3]:
+        words = r["caption"].split()
+        att = np.array(json.loads(r["attention"]))
+        assert att.shape == (len(words), grid, grid)
+        np.testing.assert_allclose(att.sum(axis=(1, 2)), 1.0, atol=1e-3)  # soft attention
+        assert float(r["score"]) <= 0 and r["error"] == ""
+    assert rows[3]["caption"] == "" and "not an image" in rows[3]["error"]
+    sheets = sorted(p.name for p in (tmp_path / "sheets").iterdir())
+    assert sheets == sorted(overlay_name(a) for a in args[:3])
+    for name in sheets:
+        with Image.open(tmp_path / "sheets" / name) as im:
+            assert im.format == "PNG" and im.width >= 200 and im.height >= 200
+
+
+def test_stdout_jsonl_exit_0_and_exif(tiny_model_file, tmp_path, monkeypatch, capsys):
+    """All captioned: exit 0, JSONL on stdout, and EXIF orientation applied before captioning."""
+    monkeypatch.chdir(tmp_path)
+    im = Image.open(photos(1)[0]).convert("RGB")
+    im.save("upright.jpg", quality=95)
+    # stored rotated, with EXIF orientation 6 ("rotate 90 clockwise to display"): same picture
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    im.transpose(Image.Transpose.ROTATE_90).save("rotated.jpg", quality=95, exif=exif)
+    rc = main(["caption", "upright.jpg", "rotated.jpg", "--with-attention", "--model",
+               str(tiny_model_file), "--workers", "0", "--beam-size", "1"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    up, rot = (json.loads(x) for x in lines)
+    assert (up["path"], rot["path"]) == ("upright.jpg", "rotated.jpg")
+    assert rot["caption"] == up["caption"]
+    np.testing.assert_allclose(rot["attention"], up["attention"], atol=0.05)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["missing_folder"], "no such file or folder: missing_folder"),
+    (["."], "no image files found"),
+    ([".", "--format", "xml"], "--format must be one of jsonl, csv"),
+    ([".", "--resume"], "--resume needs --output"),
+    ([".", "--batch-size", "0"], "--batch-size must be at least 1"),
+])
+def test_usage_errors_exit_2(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["caption", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["caption", ".", "--no-such-option"])
+    assert e.value.code == 2
+
+
+def test_resume_drops_truncated_line(tiny_model_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    names = []
+    for p in photos(4):
+        shutil.copy(p, tmp_path / p.name)
+        names.append(p.name)
+    out = tmp_path / "out.jsonl"
+    model = ["--model", str(tiny_model_file), "--workers", "0", "--beam-size", "1"]
+    assert main(["caption", *names[:2], "-o", "out.jsonl", *model]) == 0
+    first = out.read_text()
+    with open(out, "a") as f:  # as if killed in the middle of writing the third line
+        f.write('{"path": "' + names[2] + '", "capt')
+    assert read_done(out, "jsonl") == set(names[:2])
+    assert out.read_text() == first  # the partial line is gone
+    with open(out, "a") as f:
+        f.write('{"path": "' + names[2] + '", "capt')
+    assert main(["caption", *names, "-o", "out.jsonl", "--resume", *model]) == 0
+    records = read_jsonl(out)
+    assert [r["path"] for r in records] == names
+    assert out.read_text().startswith(first)  # what was there is kept as it was
+    assert "skipped 2 already in out.jsonl" in capsys.readouterr().err
+    assert main(["caption", *names, "-o", "out.jsonl", "--resume", *model]) == 0  # nothing to do
+    assert len(read_jsonl(out)) == 4
+    out.write_text("not json\n")
+    assert main(["caption", *names, "-o", "out.jsonl", "--resume", *model]) == 2
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "showattendtell.cli", "caption", *args],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, text=True)
+
+
+def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file():
+            count = path.read_bytes().count(b"\n")
+            if count >= n:
+                return count
+        if proc.poll() is not None:
+            pytest.fail(f"sat caption ended before {n} lines: {proc.communicate()[1]}")
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"no {n} lines in {timeout} s")
+
+
+@pytest.mark.slow
+def test_interrupt_kill_and_resume(tiny_model_file, tmp_path, monkeypatch):
+    """Killed (SIGKILL), then interrupted (Ctrl-C), then resumed: every image exactly once."""
+    folder = tmp_path / "many"
+    (folder / "sub").mkdir(parents=True)
+    all_photos = photos(40)
+    for i, p in enumerate(all_photos):
+        shutil.copy(p, (folder / "sub" if i % 3 == 0 else folder) / p.name)
+    out = tmp_path / "out.jsonl"
+    # one image a batch and the overlay sheets keep the run slow enough to stop it midway
+    args = ["many", "-r", "-o", "out.jsonl", "--model", str(tiny_model_file), "--workers", "1",
+            "--batch-size", "1", "--beam-size", "1", "--overlays", "sheets"]
+
+    proc = _start(args, tmp_path)
+    _wait_for_lines(out, 3, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    after_kill = read_jsonl(out)
+    assert 3 <= len(after_kill) < 40
+
+    proc = _start([*args, "--resume"], tmp_path)
+    _wait_for_lines(out, len(after_kill) + 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "--resume" in err
+    after_int = read_jsonl(out)
+    assert after_int[: len(after_kill)] == after_kill
+    assert len(after_kill) + 3 <= len(after_int) < 40
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["caption", *args, "--resume"]) == 0
+    records = read_jsonl(out)
+    paths = [r["path"] for r in records]
+    assert len(paths) == len(set(paths)) == 40
+    assert set(paths) == {str(p.relative_to(tmp_path)) for p in folder.rglob("*.jpg")}
+    assert all(r["caption"] for r in records)
+    # an overlay is written before its line: a killed run's extra one is overwritten, not doubled
+    assert len(list((tmp_path / "sheets").iterdir())) == 40
