@@ -138,8 +138,8 @@ class FeatureCache:
             return 0
         encoder = encoder.to(device).eval()
         size = encoder.config.input_size
-        loader = DataLoader(_ImageFiles(todo, size), batch_size=batch_size,
-                            num_workers=num_workers, collate_fn=_collate_images)
+        loader = DataLoader(ImageFiles(todo, size), batch_size=batch_size,
+                            num_workers=num_workers, collate_fn=collate_images)
         keys: list[str] = []
         rows: list[np.ndarray] = []
         done = 0
@@ -221,7 +221,9 @@ def _stderr_isatty() -> bool:
     return sys.stderr.isatty()
 
 
-class _ImageFiles(Dataset):
+class ImageFiles(Dataset):
+    """Decodes and preprocesses images in DataLoader workers; a bad file yields its reason."""
+
     def __init__(self, images: Sequence[CaptionedImage], input_size: int):
         self.images, self.input_size = images, input_size
 
@@ -236,7 +238,8 @@ class _ImageFiles(Dataset):
             return im.image_id, None, str(e)
 
 
-def _collate_images(items):
+def collate_images(items) -> tuple[list[str], torch.Tensor | None, list[tuple[str, str]]]:
+    """(ids of decoded images, their batch or None, [(id, reason) of undecodable ones])."""
     ok = [(k, x) for k, x, err in items if err is None]
     failures = [(k, err) for k, x, err in items if err is not None]
     batch = torch.stack([x for _, x in ok]) if ok else None

@@ -1,0 +1,148 @@
+"""`sat evaluate`: caption a dataset split and score it with the official COCO caption toolkit.
+
+The last line of standard output is one JSON object keyed by the toolkit's metric names
+(``Bleu_1`` ... ``Bleu_4``, ``METEOR``, ``ROUGE_L``, ``CIDEr``, and ``SPICE`` when it can run);
+everything else (counts, timings, where the captions went) goes to standard error. The generated
+captions are written in the COCO results format, ``[{"image_id": ..., "caption": ...}, ...]``:
+``image_id`` is the COCO id (an int) for COCO, the image file name (a string) for Flickr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from showattendtell.cli_common import add_decoding_args, decoding_kwargs
+from showattendtell.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class EvaluateError(UserError, ValueError):
+    """Bad arguments or nothing to score."""
+
+    exit_code = 2
+
+DATASET_CHOICES = ("coco", "flickr8k", "karpathy")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="caption a dataset split and score it (BLEU-1..4, METEOR, ROUGE-L, CIDEr-D, SPICE)",
+        description="Caption every image of a split with a model and score the captions with "
+                    "the official COCO caption toolkit. Prints the scores as one JSON object on "
+                    "the last line of standard output.",
+    )
+    p.add_argument("--model", default=None, help="model file (default: the bundled model)")
+    p.add_argument("--dataset", required=True, choices=DATASET_CHOICES,
+                   help="coco (official files, or Karpathy's split with dataset_coco.json), "
+                        "flickr8k (original release files), karpathy (dataset_*.json)")
+    p.add_argument("--root", required=True, help="the dataset folder (see data/README.md)")
+    p.add_argument("--split", default="test",
+                   help="split to evaluate (default test; flickr8k: train/dev/test; coco without "
+                        "Karpathy's split: train/val)")
+    p.add_argument("--output", default=None,
+                   help="where to write the captions as COCO results JSON "
+                        "(default: <model>-<dataset>-<split>-results.json)")
+    p.add_argument("--batch-size", type=int, default=32, help="images per batch")
+    p.add_argument("--num-workers", type=int, default=2, help="image decoding processes")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
+    p.add_argument("--no-spice", action="store_true", help="skip SPICE even if it can run")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    add_decoding_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from showattendtell.data.datasets import load_split
+    from showattendtell.metrics import MetricsError, java_available, score_captions
+
+    if args.batch_size < 1 or args.num_workers < 0 or (args.limit is not None and args.limit < 1):
+        raise EvaluateError("--batch-size and --limit must be positive, --num-workers >= 0")
+    if not java_available():  # say so before spending minutes on captioning
+        raise MetricsError(
+            "sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer and "
+            "METEOR need Java: install a Java runtime (e.g. `apt-get install "
+            "default-jre-headless`) and try again"
+        )
+    split = load_split(args.dataset, args.root, args.split)
+    split.require_images()
+    images = split.images[: args.limit] if args.limit else split.images
+    # a partly present split is scored on the images present (the loader warned with the count)
+
+    from showattendtell.inference import load_model
+
+    captioner = load_model(args.model, args.device)
+    t0 = time.perf_counter()
+    captions, failed = caption_split(captioner, images, args.batch_size, args.num_workers,
+                                     **decoding_kwargs(args))
+    elapsed = time.perf_counter() - t0
+    if not captions:
+        raise EvaluateError(f"none of the {len(images)} images of {split.name} could be decoded")
+    by_id = {im.image_id: im for im in images}
+    results = [{"image_id": _result_id(by_id[k]), "caption": c} for k, c in captions.items()]
+    output = Path(args.output or f"{captioner.name}-{args.dataset}-{args.split}-results.json")
+    write_json_atomic(output, results)
+    print(f"captioned {len(captions)} images of {split.name} in {elapsed:.1f} s "
+          f"({len(captions) / max(elapsed, 1e-9):.1f} img/s"
+          f"{f', {len(failed)} undecodable images skipped' if failed else ''}); "
+          f"wrote {output}", file=sys.stderr)
+
+    references = {k: by_id[k].captions for k in captions}
+    scores = score_captions(captions, references, official=True, spice=not args.no_spice)
+    print(json.dumps({k: round(v, 6) for k, v in scores.items()}))
+    return 0
+
+
+def caption_split(captioner, images: list, batch_size: int = 32, num_workers: int = 2,
+                  **decoding) -> tuple[dict[str, str], dict[str, str]]:
+    """Caption images in batches (decoded in DataLoader workers, encoded and decoded as a batch).
+
+    Returns (image_id -> caption, image_id -> reason for the undecodable ones, which are
+    reported and skipped).
+    """
+    from torch.utils.data import DataLoader
+
+    from showattendtell.data.feature_cache import ImageFiles, collate_images
+    from showattendtell.progress import ProgressBar
+
+    loader = DataLoader(ImageFiles(images, captioner.input_size), batch_size=batch_size,
+                        num_workers=num_workers, collate_fn=collate_images,
+                        pin_memory=captioner.device.type == "cuda")
+    captions: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    with ProgressBar(len(images), "captions") as advance:
+        for keys, batch, failures in loader:
+            for key, reason in failures:
+                log.warning("skipping undecodable image: %s", reason)
+                failed[key] = reason
+            if keys:
+                results = captioner.caption_annotations(captioner.encode(batch), **decoding)
+                captions.update(zip(keys, (r.caption for r in results), strict=True))
+            advance(len(keys) + len(failures))
+    return captions, failed
+
+
+def _result_id(im) -> int | str:
+    """COCO results want the integer image id; Flickr images are named by their file name."""
+    return im.coco_id if im.coco_id is not None else im.image_id
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write to a temporary file in the same folder, then rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, ensure_ascii=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
