@@ -1,0 +1,128 @@
+"""Dataset readers on the real files in ../shared and on small folders in each published format."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+from conftest import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k
+
+from showattendtell.data.datasets import (
+    DatasetError,
+    MissingImagesError,
+    load_split,
+)
+
+
+@needs_coco_subset
+def test_coco_val_subset_gives_the_40_present_images_and_counts_the_rest(caplog):
+    with caplog.at_level(logging.WARNING):
+        split = load_split("coco", COCO_SUBSET, "val")
+    files = {p.name for p in (COCO_SUBSET / "images").glob("*.jpg")}
+    assert len(files) == 40
+    assert {im.path.name for im in split.images} == files
+    assert len(split.images) == 40 and split.num_captions == 200
+    assert all(len(im.captions) == 5 for im in split.images)
+    assert all(im.image_id == str(im.coco_id) and int(im.path.stem) == im.coco_id
+               for im in split.images)
+    assert len(split.missing) == 4960 and split.num_annotated == 5000
+    assert split.missing_captions == 25014 - 200
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "4960" in warnings[0] and "24814" in warnings[0]
+
+
+@needs_coco_subset
+def test_coco_test_split_needs_karpathy():
+    with pytest.raises(DatasetError, match="dataset_coco.json"):
+        load_split("coco", COCO_SUBSET, "test")
+
+
+@needs_flickr8k
+def test_flickr8k_official_split_sizes():
+    sizes = {}
+    for name in ("train", "dev", "test"):
+        split = load_split("flickr8k", FLICKR8K, name)
+        sizes[name] = split.num_annotated
+        assert all(len(im.captions) == 5 for im in split.images)
+    assert sizes == {"train": 6000, "dev": 1000, "test": 1000}
+    train = load_split("flickr8k", FLICKR8K, "train")
+    assert len(train.images) == 6000 and train.num_captions == 30000
+    assert not {im.image_id for im in train.images} & {
+        im.image_id for im in load_split("flickr8k", FLICKR8K, "dev").images}
+
+
+@needs_flickr8k
+def test_flickr8k_withheld_test_images_are_counted_and_refused():
+    split = load_split("flickr8k", FLICKR8K, "test")
+    assert split.images == [] and len(split.missing) == 1000
+    assert split.missing_captions == 5000
+    with pytest.raises(MissingImagesError) as e:
+        split.require_images()
+    assert str(FLICKR8K / "images") in str(e.value) and "1000 missing" in str(e.value)
+
+
+def test_flickr8k_missing_files_are_skipped_with_one_warning(synthetic_flickr, tmp_path, caplog):
+    root = tmp_path / "f8k"
+    shutil.copytree(synthetic_flickr, root)
+    gone = sorted((root / "images").glob("*.jpg"))[:3]
+    for p in gone:
+        p.unlink()
+    with caplog.at_level(logging.WARNING):
+        split = load_split("flickr8k", root, "train")
+    assert len(split.images) == 21 and sorted(split.missing) == gone
+    assert sum("skipped 3 of 24" in r.getMessage() for r in caplog.records) == 1
+
+
+def _karpathy_json(synthetic_flickr, root, name="dataset_flickr8k.json"):
+    train = (synthetic_flickr / "Flickr_8k.trainImages.txt").read_text().split()
+    dev = (synthetic_flickr / "Flickr_8k.devImages.txt").read_text().split()
+    images = [{"filename": n, "split": "train" if n in train else "val",
+               "sentences": [{"raw": f"caption {k} of {n}", "tokens": []} for k in range(5)]}
+              for n in train + dev]
+    images[0]["split"] = "test"
+    images.append({"filename": "absent.jpg", "split": "test",
+                   "sentences": [{"raw": "gone"}]})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text(json.dumps({"dataset": "flickr8k", "images": images}))
+
+
+def test_karpathy_format(synthetic_flickr, tmp_path):
+    root = tmp_path / "flickr8k"
+    shutil.copytree(synthetic_flickr / "images", root / "Flicker8k_Dataset")
+    _karpathy_json(synthetic_flickr, root)
+    train, val, test = (load_split("karpathy", root, s) for s in ("train", "val", "test"))
+    assert (len(train.images), len(val.images), len(test.images)) == (23, 8, 1)
+    assert [p.name for p in test.missing] == ["absent.jpg"]
+    assert train.images[0].captions[0].startswith("caption 0 of ")
+    assert train.images[0].image_id == train.images[0].path.name  # Flickr: the file name
+
+
+def test_karpathy_picks_the_json_named_like_the_folder(synthetic_flickr, tmp_path):
+    root = tmp_path / "flickr8k"
+    shutil.copytree(synthetic_flickr / "images", root / "images")
+    _karpathy_json(synthetic_flickr, root / "caption_datasets")
+    (root / "caption_datasets" / "dataset_coco.json").write_text('{"images": []}')
+    assert len(load_split("karpathy", root, "val").images) == 8
+    other = tmp_path / "elsewhere"
+    shutil.copytree(root, other)
+    with pytest.raises(DatasetError, match="several Karpathy split files"):
+        load_split("karpathy", other, "val")
+
+
+@pytest.mark.parametrize(("dataset", "split", "match"), [
+    ("flickr30k", "train", "unknown dataset"),
+    ("flickr8k", "validation", "splits"),
+    ("karpathy", "train", "no dataset_"),
+    ("coco", "val", "sat data coco"),
+])
+def test_bad_requests_are_one_line_errors(tmp_path, dataset, split, match):
+    with pytest.raises(DatasetError, match=match) as e:
+        load_split(dataset, tmp_path, split)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_root(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_split("flickr8k", tmp_path / "nope", "train")
