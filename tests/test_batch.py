@@ -1,4 +1,4 @@
-"""`sat caption`: real photos mixed with bad files, output formats, usage errors, kill and resume."""
+"""`sat caption`: real photos mixed with bad files, formats, usage errors, kill and resume."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_csv_attention_and_overlays(tiny_model_file, tmp_path, monkeypatch, caps
         assert att.shape == (len(words), grid, grid)
         np.testing.assert_allclose(att.sum(axis=(1, 2)), 1.0, atol=1e-3)  # soft attention
         assert float(r["score"]) <= 0 and r["error"] == ""
-    assert rows[3]["caption"] == "" and "not an image" in rows[3]["error"]
+    assert rows[3]["caption"] == "" and "cannot be read" in rows[3]["error"]
     sheets = sorted(p.name for p in (tmp_path / "sheets").iterdir())
     assert sheets == sorted(overlay_name(a) for a in args[:3])
     for name in sheets:

@@ -294,17 +294,20 @@ def _inputs(args: argparse.Namespace) -> list[str]:
         raise UsageError(f"no such file or folder: {missing[0]}")
     paths: list[str] = []
     seen: set[str] = set()
+    empty: list[str] = []
     for given in args.paths:
         found = [str(p) for p in list_images([given], args.recursive)]
-        if not found and os.path.isdir(given):
-            hint = "" if args.recursive else " (use --recursive for sub-folders)"
-            print(f"warning: no image files in {given}{hint}", file=sys.stderr)
+        if not found:
+            empty.append(given)
         for p in found:
             if p not in seen:
                 seen.add(p)
                 paths.append(p)
+    hint = "" if args.recursive else " (use --recursive for sub-folders)"
     if not paths:
-        raise UsageError("no image files found in " + ", ".join(args.paths))
+        raise UsageError("no image files found in " + ", ".join(args.paths) + hint)
+    for given in empty:
+        print(f"warning: no image files in {given}{hint}", file=sys.stderr)
     return paths
 
 
