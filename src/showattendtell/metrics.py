@@ -9,6 +9,7 @@ punctuation removed) and computes the Java-free metrics: BLEU-1..4, ROUGE-L and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import shutil
@@ -40,6 +41,15 @@ def spice_available() -> bool:
 
     lib = Path(spice.__file__).parent / "lib"
     return all((lib / f"stanford-corenlp-3.6.0{s}.jar").is_file() for s in ("", "-models"))
+
+
+@functools.lru_cache(maxsize=1)
+def meteor_scorer():
+    """One METEOR scorer per process: its Java side spends 10-30 s loading the paraphrase table,
+    so repeated official scoring (several splits, tests) pays that once."""
+    from pycocoevalcap.meteor.meteor import Meteor
+
+    return Meteor()
 
 
 def _ptb_tokenize(captions: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -82,9 +92,7 @@ def score_captions(
         (Cider(), "CIDEr"),
     ]
     if official:
-        from pycocoevalcap.meteor.meteor import Meteor
-
-        scorers.insert(1, (Meteor(), "METEOR"))
+        scorers.insert(1, (meteor_scorer(), "METEOR"))
         if spice and spice_available():
             from pycocoevalcap.spice.spice import Spice
 
@@ -98,6 +106,8 @@ def score_captions(
             with contextlib.redirect_stdout(io.StringIO()):  # the scorers print their progress
                 value, _ = scorer.compute_score(gts, res)
         except (subprocess.CalledProcessError, OSError) as e:
+            if names == "METEOR":
+                meteor_scorer.cache_clear()  # its Java process is gone: start afresh next time
             if names != "SPICE":
                 raise MetricsError(f"the COCO caption toolkit failed computing {names}: {e}") from e
             log.warning("SPICE skipped: its Java scorer failed (%s)", e)

@@ -1,0 +1,120 @@
+"""score_captions against pycocoevalcap called directly, on a small hand-made example."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+
+import pytest
+
+from showattendtell import metrics
+from showattendtell.metrics import MetricsError, score_captions
+
+needs_java = pytest.mark.skipif(not metrics.java_available(), reason="Java is not installed")
+
+PREDICTIONS = {
+    "1": "A man riding a wave on top of a surfboard.",
+    "2": "two dogs play in the grass",
+    "3": "A plate of food with broccoli and rice",
+    "4": "a red bus parked on the side of the road",
+}
+REFERENCES = {
+    "1": ["A man riding a wave on top of a surfboard.", "A surfer rides a large wave.",
+          "Man on a surfboard riding the ocean waves."],
+    "2": ["Two dogs are playing in the grass.", "A pair of dogs running on a lawn.",
+          "Two brown dogs play together outside."],
+    "3": ["A plate with rice, broccoli and chicken.", "Food on a white plate.",
+          "A dish of broccoli, meat and rice on a table."],
+    "4": ["A red double decker bus on a city street.", "A bus parked by the curb.",
+          "The red bus is stopped on the side of the road."],
+}
+
+
+def _direct() -> dict[str, float]:
+    """The toolkit's own pipeline, as its COCOEvalCap.evaluate runs it (minus SPICE)."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.meteor.meteor import Meteor
+    from pycocoevalcap.rouge.rouge import Rouge
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    tok = PTBTokenizer()
+    with contextlib.redirect_stdout(io.StringIO()):
+        gts = tok.tokenize({k: [{"caption": c} for c in v] for k, v in REFERENCES.items()})
+        res = tok.tokenize({k: [{"caption": v}] for k, v in PREDICTIONS.items()})
+        out: dict[str, float] = {}
+        bleu, _ = Bleu(4).compute_score(gts, res)
+        out.update({f"Bleu_{n}": b for n, b in enumerate(bleu, 1)})
+        # the toolkit's Meteor object; the wrapper keeps one per process (its Java side loads
+        # for 10-30 s), so share it rather than load the paraphrase table twice
+        meteor = metrics.meteor_scorer()
+        assert isinstance(meteor, Meteor)
+        out["METEOR"], _ = meteor.compute_score(gts, res)
+        out["ROUGE_L"], _ = Rouge().compute_score(gts, res)
+        out["CIDEr"], _ = Cider().compute_score(gts, res)
+    return out
+
+
+@pytest.fixture(scope="module")
+def official() -> dict[str, float]:
+    return score_captions(PREDICTIONS, REFERENCES, official=True, spice=False)
+
+
+@needs_java
+def test_official_scores_equal_the_toolkit(official):
+    direct = _direct()
+    assert set(official) == {"Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L",
+                             "CIDEr"}
+    for k, v in direct.items():
+        assert official[k] == pytest.approx(v, abs=1e-9), k
+    assert 0.3 < official["Bleu_1"] < 1.0 and official["CIDEr"] > 0.5
+
+
+@needs_java
+def test_python_tokenizer_matches_ptb_on_plain_captions(official):
+    fast = score_captions(PREDICTIONS, REFERENCES, official=False)
+    assert "METEOR" not in fast
+    for k in ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "ROUGE_L", "CIDEr"):
+        assert fast[k] == pytest.approx(official[k], abs=1e-9), k
+
+
+def test_perfect_and_disjoint_captions():
+    refs = {"a": ["the cat sat on the mat", "a cat is on a mat"],
+            "b": ["two birds fly over the sea", "birds flying above water"]}
+    perfect = score_captions({"a": "the cat sat on the mat", "b": "two birds fly over the sea"},
+                             refs, official=False)
+    assert perfect["Bleu_4"] == pytest.approx(1.0)
+    nothing = score_captions({"a": "zebra xylophone", "b": "quantum yak"}, refs, official=False)
+    assert nothing["Bleu_1"] < 1e-6 and nothing["CIDEr"] == pytest.approx(0.0)
+
+
+def test_without_java_the_error_says_so(monkeypatch):
+    monkeypatch.setattr(metrics.shutil, "which", lambda name: None)
+    with pytest.raises(MetricsError, match="need Java"):
+        score_captions(PREDICTIONS, REFERENCES, official=True)
+
+
+def test_spice_is_skipped_with_a_notice_when_its_models_are_absent(monkeypatch, caplog):
+    monkeypatch.setattr(metrics, "spice_available", lambda: False)
+    monkeypatch.setattr(metrics, "java_available", lambda: True)
+    # skip the Java scorers: only the notice is under test here
+    monkeypatch.setattr(metrics, "_ptb_tokenize",
+                        lambda caps: {k: [" ".join(v[0].lower().split())] * len(v)
+                                      for k, v in caps.items()})
+    class FakeMeteor:
+        def compute_score(self, gts, res):
+            return 0.5, []
+
+    monkeypatch.setattr(metrics, "meteor_scorer", FakeMeteor)
+    with caplog.at_level(logging.WARNING):
+        scores = score_captions({"1": "a b c"}, {"1": ["a b c"]}, official=True, spice=True)
+    assert "SPICE" not in scores and scores["METEOR"] == 0.5
+    assert any("SPICE skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_predictions_without_references_are_refused():
+    with pytest.raises(ValueError, match="no references"):
+        score_captions({"x": "a cat"}, {"y": ["a cat"]}, official=False)
+    with pytest.raises(ValueError, match="no captions"):
+        score_captions({}, {}, official=False)
