@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +300,49 @@ def word_view(state: dict | None, index: int | None) -> Image.Image | None:
     return with_colour_bar(overlay_attention(state["image"], state["attention"][i], loc))
 
 
+UIOutputs = tuple[str, str, dict | None, list, dict, Image.Image | None, Image.Image | None, list]
+
+
+def api_caption(service: CaptionService, image: Any, model: str | None = None,
+                beam_size: float | None = None, max_length: float | None = None) -> dict[str, Any]:
+    """The /caption endpoint: JSON, or a gr.Error whose message the client sees."""
+    try:
+        return caption_image(service, image, model, beam_size, max_length).to_json()
+    except UserError as e:
+        raise gr.Error(str(e), print_exception=False) from None
+
+
+def ui_caption(service: CaptionService, image: Any, model: str | None = None,
+               beam_size: float | None = None, max_length: float | None = None) -> UIOutputs:
+    """The UI event: status, caption, per-word state, word panels, word list, the first word's
+    view, the all-words sheet and the beams. Bad input becomes a status message (and a toast),
+    never an exception, so the page stays usable."""
+    empty = ("", None, [], gr.update(choices=[], value=None), None, None, [])
+    if image is None:
+        return ("Upload, paste or pick an example image.", *empty)
+    try:
+        done = caption_image(service, image, model, beam_size, max_length)
+    except UserError as e:
+        gr.Warning(str(e))
+        return (f"**Cannot caption this file:** {e}", *empty)
+    r = done.result
+    small = _resized(done.image, PANEL_SIZE)
+    panels = word_panels(small, r, PANEL_SIZE)
+    gallery = [(p, word_label(r, i)) for i, p in enumerate(panels)]
+    state = {"image": _resized(done.image, VIEW_SIZE), "attention": r.attention,
+             "locations": r.locations, "words": r.words}
+    beams = [[c, round(float(s), 3)] for c, s in r.beams]
+    note = (" White frames mark the location hard attention chose for each word."
+            if r.locations else "")
+    g = r.attention.shape[-1]
+    status = (f"Captioned by **{done.model}** ({done.attention_type} attention, {g}x{g} grid). "
+              f"Click a word or a panel to see where the model looked.{note}")
+    words = gr.update(choices=[(w, i) for i, w in enumerate(r.words)],
+                      value=0 if r.words else None)
+    sheet = caption_sheet(done.image, r) if r.words else None
+    return (status, r.caption, state, gallery, words, word_view(state, 0), sheet, beams)
+
+
 # ---------------------------------------------------------------------------------------------
 # The Blocks app
 
@@ -309,8 +353,11 @@ CSS = """
 
 def find_examples(paths: Sequence[str | Path] | None = None,
                   limit: int = MAX_EXAMPLES) -> list[Path]:
-    """Example photos: the given files/folders, else service/examples or the COCO subset."""
-    candidates = [Path(p) for p in paths] if paths else [d for d in EXAMPLE_DIRS if d.is_dir()][:1]
+    """Example photos: the given files/folders (None: service/examples or the COCO subset)."""
+    if paths is None:
+        candidates = [d for d in EXAMPLE_DIRS if d.is_dir()][:1]
+    else:  # an empty list: no examples
+        candidates = [Path(p) for p in paths]
     found: list[Path] = []
     for p in candidates:
         if p.is_dir():
@@ -328,41 +375,6 @@ def build_app(service: CaptionService, examples: Sequence[Path] = (),
 
     def model_choice(name: str) -> tuple[str, str]:
         return (f"{name} ({service.get(name).attention_type} attention)", name)
-
-    def api_caption(image: Any, model: str | None, beam_size: float | None,
-                    max_length: float | None) -> dict[str, Any]:
-        try:
-            return caption_image(service, image, model, beam_size, max_length).to_json()
-        except UserError as e:
-            raise gr.Error(str(e), print_exception=False) from None
-
-    def ui_caption(image: Any, model: str | None, beam_size: float | None,
-                   max_length: float | None) -> tuple:
-        empty = ("", None, [], None, gr.update(choices=[], value=None), None, None)
-        if image is None:
-            return ("Upload, paste or pick an example image.", *empty)
-        try:
-            done = caption_image(service, image, model, beam_size, max_length)
-        except UserError as e:
-            gr.Warning(str(e))
-            return (f"**Cannot caption this file:** {e}", *empty)
-        r = done.result
-        small = _resized(done.image, PANEL_SIZE)
-        panels = word_panels(small, r, PANEL_SIZE)
-        gallery = [(p, word_label(r, i)) for i, p in enumerate(panels)]
-        state = {"image": _resized(done.image, VIEW_SIZE), "attention": r.attention,
-                 "locations": r.locations, "words": r.words}
-        beams = [[c, round(float(s), 3)] for c, s in r.beams]
-        note = (" White frames mark the location hard attention chose for each word."
-                if r.locations else "")
-        status = (f"Captioned by **{done.model}** ({done.attention_type} attention, "
-                  f"{r.attention.shape[-1]}x{r.attention.shape[-1]} grid). Click a word or a "
-                  f"panel to see where the model looked.{note}")
-        choices = [(w, i) for i, w in enumerate(r.words)]
-        sheet = caption_sheet(done.image, r) if r.words else None
-        return (status, r.caption, state, gallery, gr.update(choices=choices, value=0 if r.words
-                                                             else None),
-                word_view(state, 0), sheet, beams)
 
     with gr.Blocks(title="Show, Attend and Tell") as app:
         gr.Markdown("# Show, Attend and Tell\nUpload, paste or pick a photo: the model writes a "
@@ -403,7 +415,7 @@ def build_app(service: CaptionService, examples: Sequence[Path] = (),
         api_button = gr.Button(visible=False)
 
         inputs = [image, model, beam, length]
-        gr.on([button.click, image.change], ui_caption, inputs=inputs,
+        gr.on([button.click, image.change], partial(ui_caption, service), inputs=inputs,
               outputs=[status, caption, state, gallery, words, view, sheet, beams],
               preprocess=False, concurrency_limit=concurrency, concurrency_id="caption",
               trigger_mode="always_last", api_visibility="private")
@@ -414,10 +426,26 @@ def build_app(service: CaptionService, examples: Sequence[Path] = (),
             return int(evt.index)
 
         gallery.select(select_word, None, words, queue=False, api_visibility="private")
-        api_button.click(api_caption, inputs=inputs, outputs=[api_out], api_name="caption",
-                         preprocess=False, concurrency_limit=concurrency,
+        api_button.click(partial(api_caption, service), inputs=inputs, outputs=[api_out],
+                         api_name="caption", preprocess=False, concurrency_limit=concurrency,
                          concurrency_id="caption",
                          api_description="Caption an image: caption, words, score, top beams "
                                          "and each word's attention grid (and hard-attention "
                                          "locations).")
+    return app
+
+
+def launch(service: CaptionService, host: str = "127.0.0.1", port: int = 7860,
+           max_upload_mb: float = 10.0, examples: Sequence[Path] = (), concurrency: int = 8,
+           queue_size: int = 64, block: bool = True) -> gr.Blocks:
+    """Build and start the app; ``block=False`` returns once it serves (tests, benchmarks).
+
+    Only the example files themselves are added to Gradio's allowed paths; uploads live in its
+    own upload folder, and no other file on the machine is served or read.
+    """
+    app = build_app(service, examples, concurrency=concurrency)
+    app.queue(max_size=queue_size)
+    app.launch(server_name=host, server_port=port, max_file_size=int(max_upload_mb * 2**20),
+               allowed_paths=[str(p) for p in examples], css=CSS, footer_links=["api"],
+               prevent_thread_lock=not block, quiet=not block)
     return app

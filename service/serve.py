@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a server
-    from service.app import CSS, build_app, find_examples, load_service
+    from service.app import find_examples, launch, load_service
 
     if args.max_upload_mb <= 0:
         raise ServeError("--max-upload-mb must be positive")
@@ -52,13 +52,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         service = load_service(args.model, args.device, max_batch=args.max_batch)
     except ValueError as e:  # resolve_device: no CUDA GPU
         raise ServeError(str(e)) from None
-    examples = find_examples(args.examples)
-    app = build_app(service, examples, concurrency=args.concurrency)
-    app.queue(max_size=args.queue_size)
     try:
-        app.launch(server_name=args.host, server_port=args.port,
-                   max_file_size=int(args.max_upload_mb * 2**20),
-                   allowed_paths=[str(p) for p in examples], css=CSS, footer_links=["api"])
+        launch(service, args.host, args.port, args.max_upload_mb, find_examples(args.examples),
+               args.concurrency, args.queue_size)
     except OSError as e:
         raise ServeError(f"cannot serve on {args.host}:{args.port}: {e}") from None
     finally:
