@@ -1,0 +1,171 @@
+"""The encoder-feature cache: extraction, read-back, resume, invalidation, undecodable images."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_flickr8k_folder
+
+from showattendtell.data.datamodule import CaptionDataModule
+from showattendtell.data.datasets import load_split
+from showattendtell.data.feature_cache import FeatureCache, FeatureCacheError, cache_dir_for
+from showattendtell.encoder import Encoder, EncoderConfig
+from showattendtell.images import open_image, preprocess
+
+CONFIG = EncoderConfig(backbone="resnet50", weights=None, input_size=64)  # 2x2x2048 grid
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Encoder:
+    torch.manual_seed(0)
+    return Encoder(CONFIG).eval()
+
+
+N = 8
+
+
+@pytest.fixture()
+def images(synthetic_flickr):
+    return load_split("flickr8k", synthetic_flickr, "train").images[:N]
+
+
+@pytest.fixture(scope="module")
+def expected(encoder, synthetic_flickr) -> dict[str, np.ndarray]:
+    """Features computed in one batch, without the cache."""
+    ims = load_split("flickr8k", synthetic_flickr, "train").images[:N]
+    with torch.inference_mode():
+        x = torch.stack([preprocess(open_image(im.path), 64) for im in ims])
+        feats = encoder(x).to(torch.float16).float().numpy()
+    return {im.image_id: f for im, f in zip(ims, feats, strict=True)}
+
+
+def _assert_close(got: torch.Tensor, want: np.ndarray) -> None:
+    # float16 storage; batch composition changes the last bit of the float32 sums
+    np.testing.assert_allclose(got.numpy(), want, rtol=2e-3, atol=1e-3)
+
+
+def _extract(cache, images, encoder, **kw):
+    kw = {"batch_size": 3, "num_workers": 0, "shard_size": 4, "progress": False, **kw}
+    return cache.extract(images, encoder, **kw)
+
+
+def test_extract_and_read_back(tmp_path, encoder, images, expected):
+    cache = FeatureCache.for_config(tmp_path, CONFIG)
+    assert cache.dir == cache_dir_for(tmp_path, CONFIG) and "2x2" in cache.dir.name
+    assert _extract(cache, images, encoder, shard_size=3) == N
+    shards = sorted(cache.dir.glob("shard-*.npy"))
+    assert [np.load(s, mmap_mode="r").shape for s in shards] == [(3, 4, 2048)] * 2 + [
+        (2, 4, 2048)]
+    assert np.load(shards[0], mmap_mode="r").dtype == np.float16
+    assert not list(cache.dir.glob("*.tmp"))
+
+    reopened = FeatureCache.for_config(tmp_path, CONFIG)  # a new process: index from disk
+    assert len(reopened) == N and reopened.missing(images) == []
+    for key, f in expected.items():
+        got = reopened[key]
+        assert got.dtype == torch.float32 and got.shape == (4, 2048)
+        _assert_close(got, f)
+    assert _extract(reopened, images, encoder) == 0  # nothing left to do
+
+
+def test_resume_after_interruption(tmp_path, encoder, images, expected):
+    cache = FeatureCache.for_config(tmp_path, CONFIG)
+    calls = 0
+    real_forward = encoder.forward
+
+    def dying_forward(x):
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # killed during the third batch: images 7-8 never reach a shard
+            raise KeyboardInterrupt
+        return real_forward(x)
+
+    encoder.forward = dying_forward
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _extract(cache, images, encoder)
+    finally:
+        del encoder.forward
+    # one whole shard (4 images) was written; the 2 images after it were in RAM only
+    (cache.dir / ".shard-00001.npy.tmp").write_bytes(b"half a shard")  # a crash mid-write
+    resumed = FeatureCache.for_config(tmp_path, CONFIG)
+    assert len(resumed) == 4
+    todo = resumed.missing(images)
+    assert [im.image_id for im in todo] == [im.image_id for im in images[4:]]
+    assert _extract(resumed, images, encoder) == N - 4
+    final = FeatureCache.for_config(tmp_path, CONFIG)
+    assert len(final) == N
+    for key, f in expected.items():
+        _assert_close(final[key], f)
+
+
+def test_another_encoder_config_never_reads_these_features(tmp_path, encoder, images):
+    cache = FeatureCache.for_config(tmp_path, CONFIG)
+    _extract(cache, images[:2], encoder)
+    for other in (EncoderConfig(backbone="resnet50", weights=None, input_size=96),
+                  EncoderConfig(backbone="resnet101", weights=None, input_size=64),
+                  EncoderConfig(backbone="resnet50", weights=None, input_size=64, grid_size=1)):
+        assert len(FeatureCache.for_config(tmp_path, other)) == 0
+    # fine-tuning settings do not change what the frozen encoder computes
+    same = EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=1)
+    assert len(FeatureCache.for_config(tmp_path, same)) == 2
+
+
+def test_another_weights_file_invalidates(tmp_path):
+    w = tmp_path / "w.pth"
+    w.write_bytes(b"weights one")
+    a = EncoderConfig(backbone="resnet50", weights=str(w)).fingerprint()
+    w.write_bytes(b"weights two")
+    assert EncoderConfig(backbone="resnet50", weights=str(w)).fingerprint() != a
+
+
+def test_a_cache_of_another_config_under_this_name_is_refused(tmp_path):
+    cache = FeatureCache.for_config(tmp_path, CONFIG)
+    meta = json.loads((cache.dir / "meta.json").read_text())
+    meta["fingerprint"] = "0" * 16
+    (cache.dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(FeatureCacheError, match="another encoder configuration"):
+        FeatureCache.for_config(tmp_path, CONFIG)
+
+
+def test_undecodable_image_is_recorded_and_skipped(tmp_path, encoder, images, caplog):
+    bad_dir = tmp_path / "imgs"
+    bad_dir.mkdir()
+    bad = images[1]
+    broken = bad_dir / bad.path.name
+    broken.write_bytes(bad.path.read_bytes()[:200])  # a truncated JPEG
+    bad.path = broken
+    cache = FeatureCache.for_config(tmp_path / "cache", CONFIG)
+    with caplog.at_level(logging.WARNING):
+        assert _extract(cache, images, encoder) == N - 1
+    assert any(bad.image_id in r.getMessage() for r in caplog.records)
+    failed = json.loads((cache.dir / "failed.json").read_text())
+    assert list(failed) == [bad.image_id] and str(broken) in failed[bad.image_id]
+    again = FeatureCache.for_config(tmp_path / "cache", CONFIG)
+    assert bad.image_id not in again and again.missing(images) == []  # not retried each run
+    assert again.get(bad.image_id) is None
+
+
+def test_datamodule_trains_from_the_cache_and_skips_bad_images(tmp_path, caplog):
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=6, n_dev=3)
+    bad = sorted((root / "images").glob("*.jpg"))[0]
+    bad.write_bytes(b"not a jpeg")
+    dm = CaptionDataModule(dataset="flickr8k", root=str(root), feature_cache=str(tmp_path / "c"),
+                           encoder=CONFIG, min_word_count=1, batch_size=16, num_workers=0,
+                           val_images=2, extract_batch_size=8)
+    with caplog.at_level(logging.INFO):
+        dm.prepare_data()
+        dm.setup("fit")
+    cache = FeatureCache.for_config(tmp_path / "c", CONFIG)
+    assert len(cache) == 5 + 2 and list(cache.failed) == [bad.name]
+    assert any("1 of 6 images have no cached features" in r.getMessage()
+               for r in caplog.records)
+    batches = list(dm.train_dataloader())
+    assert sum(b["inputs"].shape[0] for b in batches) == 5 * 5  # the bad image's 5 captions gone
+    assert batches[0]["inputs"].shape[1:] == (4, 2048)
+    val = next(iter(dm.val_dataloader()))
+    assert val["inputs"].shape == (2, 4, 2048)
