@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help=f"image-decoding processes (default min(4, cores) = {default_workers()}; "
                         "0 decodes in the main process)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the network (default: torch's, one per core); 1 can be "
+                        "much faster on a machine busy with other work")
     p.add_argument("--model", default=None, help="model file (default: the bundled model)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     add_decoding_args(p)
@@ -314,6 +317,8 @@ def _inputs(args: argparse.Namespace) -> list[str]:
 def _check_args(args: argparse.Namespace) -> None:
     if args.resume and not args.output:
         raise UsageError("--resume needs --output FILE (the file to continue)")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads must be at least 1")
     if args.batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
     if args.workers is not None and args.workers < 0:
@@ -341,6 +346,10 @@ def run(args: argparse.Namespace) -> int:
 
     from showattendtell.inference import load_model
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         captioner = load_model(args.model, args.device)
     except ValueError as e:  # --device cuda without a GPU, an unknown device name
