@@ -220,7 +220,7 @@ class Writer:
         return buf.getvalue()
 
     def _write(self, line: str) -> None:
-        data = line.encode("utf-8")
+        data = line.encode("utf-8", "surrogateescape")  # undecodable file names round-trip
         if self.stream is None:  # standard output: looked up now (a progress bar may wrap it)
             sys.stdout.write(line)
             sys.stdout.flush()
@@ -242,7 +242,7 @@ def read_done(path: Path, fmt: str) -> set[str]:
         if end < len(data):  # killed mid-line (not by us: we write whole lines) - drop it
             f.truncate(end)
             data = data[:end]
-    text = data.decode("utf-8", errors="replace")
+    text = data.decode("utf-8", "surrogateescape")
     done: set[str] = set()
     if fmt == "jsonl":
         for n, line in enumerate(text.splitlines(), 1):
@@ -395,6 +395,9 @@ def _caption_loop(captioner: Captioner, todo: list[str], args: argparse.Namespac
                 advance(1)
     except KeyboardInterrupt:
         interrupted = True
+    except BrokenPipeError:  # `sat caption DIR | head`: the reader has gone; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     finally:
         if writer.stream is not None:
             writer.stream.close()
