@@ -1,0 +1,116 @@
+"""`sat evaluate`: batched captioning of a split, COCO results file, official scores as JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k, write_flickr8k_folder
+
+from showattendtell import metrics
+from showattendtell.cli import main
+
+needs_java = pytest.mark.skipif(not metrics.java_available(), reason="Java is not installed")
+KEYS = ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"]
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    """A small untrained model: the evaluation plumbing, not caption quality, is under test
+    (built in seconds, unlike a trained one on this shared machine)."""
+    import torch
+
+    from showattendtell.decoder import DecoderConfig
+    from showattendtell.encoder import EncoderConfig
+    from showattendtell.model import CaptionModel, DecodingConfig
+    from showattendtell.model_file import save_model
+    from showattendtell.vocab import Vocabulary
+
+    torch.manual_seed(0)
+    vocab = Vocabulary.build(["a man riding a wave", "two dogs on the grass", "a plate of food",
+                              "a red bus on the road"], min_count=1)
+    model = CaptionModel(vocab, EncoderConfig(backbone="resnet50", weights=None, input_size=64),
+                         DecoderConfig("soft", 16, 32, 16, 0.0))
+    path = tmp_path_factory.mktemp("eval_model") / "untrained.safetensors"
+    return save_model(model.eval(), path, DecodingConfig(beam_size=2, max_length=6))
+
+
+@needs_java
+@needs_coco_subset
+def test_evaluate_coco_subset(model_file, tmp_path, capsys, caplog):
+    out = tmp_path / "res" / "results.json"
+    rc = main(["evaluate", "--model", str(model_file), "--dataset", "coco",
+               "--root", str(COCO_SUBSET), "--split", "val", "--limit", "6", "--batch-size", "4",
+               "--num-workers", "1", "--beam-size", "2", "--output", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    scores = json.loads(captured.out.strip().splitlines()[-1])
+    assert list(scores) == KEYS  # SPICE's models are not installed here: skipped
+    assert all(0.0 <= v <= 10.0 for v in scores.values())
+    results = json.loads(out.read_text())
+    assert len(results) == 6
+    assert all(isinstance(r["image_id"], int) and isinstance(r["caption"], str) for r in results)
+    present = sorted(int(p.stem) for p in (COCO_SUBSET / "images").glob("*.jpg"))[:6]
+    assert sorted(r["image_id"] for r in results) == present
+    assert "captioned 6 images" in captured.err
+    assert any("skipped 4960 of 5000" in r.getMessage() for r in caplog.records)
+    assert not list(out.parent.glob("*.tmp"))
+
+    # the printed scores are those of the written captions
+    from showattendtell.data.datasets import load_split
+
+    refs = {im.coco_id: im.captions for im in load_split("coco", COCO_SUBSET, "val").images}
+    again = metrics.score_captions({r["image_id"]: r["caption"] for r in results},
+                                   {r["image_id"]: refs[r["image_id"]] for r in results},
+                                   spice=False)
+    assert {k: round(v, 6) for k, v in again.items()} == scores
+
+
+@needs_java
+def test_evaluate_flickr_skips_an_undecodable_image(model_file, tmp_path, capsys, caplog):
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=4)
+    bad = sorted((root / "images").glob("*.jpg"))[-1]
+    bad.write_bytes(b"GIF89a broken")
+    out = tmp_path / "flickr.json"
+    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k",
+               "--root", str(root), "--split", "dev", "--num-workers", "0", "--output", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert list(json.loads(captured.out.strip().splitlines()[-1])) == KEYS
+    results = json.loads(out.read_text())
+    assert len(results) == 3 and bad.name not in {r["image_id"] for r in results}
+    assert all(r["image_id"].endswith(".jpg") for r in results)  # Flickr: file names
+    assert "1 undecodable" in captured.err
+    assert any(str(bad) in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+@needs_flickr8k
+def test_withheld_test_images_fail_clearly(model_file, capsys):
+    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k",
+               "--root", str(FLICKR8K), "--split", "test"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error:") and str(FLICKR8K / "images") in line and "1000" in line
+
+
+def test_without_java_it_says_so_before_captioning(model_file, synthetic_flickr,
+                                                    monkeypatch, capsys):
+    monkeypatch.setattr(metrics.shutil, "which", lambda name: None)
+    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k",
+               "--root", str(synthetic_flickr), "--split", "dev"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out == ""
+    assert "need Java" in captured.err and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (["--dataset", "coco", "--root", "/nonexistent/coco"], "does not exist"),
+    (["--dataset", "flickr8k", "--root", "{synthetic}", "--split", "validation"], "splits"),
+    (["--dataset", "flickr8k", "--root", "{synthetic}", "--batch-size", "0"], "positive"),
+])
+def test_bad_arguments_are_one_line_errors(synthetic_flickr, capsys, args, match):
+    args = [a.replace("{synthetic}", str(synthetic_flickr)) for a in args]
+    rc = main(["evaluate", *args])
+    err = capsys.readouterr().err
+    assert rc != 0 and match in err and len(err.strip().splitlines()) == 1
