@@ -11,7 +11,9 @@ input size never reads stale features):
 
 Shards are written whole to a temporary name and renamed, so an interrupted extraction leaves
 only complete shards and resumes with the images that are not in any shard yet. Nothing is held in
-RAM but the index; COCO (123k images at 7x7x2048) is ~2.5 GB of shards of ~200 MB each.
+RAM but the index (and one shard being filled), and no file is ever rewritten: a 7x7x2048 (or
+14x14x512) float16 grid is 200,704 bytes, so a 1024-image shard is 205.5 MB, Flickr8k's 7000
+images 1.4 GB and COCO's 123,287 images 24.7 GB in 121 shards.
 """
 
 from __future__ import annotations
