@@ -110,7 +110,7 @@ def caption_split(captioner, images: list, batch_size: int = 32, num_workers: in
     """
     from torch.utils.data import DataLoader
 
-    from showattendtell.data.feature_cache import ImageFiles, collate_images
+    from showattendtell.data.feature_cache import ImageFiles, RateLog, collate_images
     from showattendtell.progress import ProgressBar
 
     loader = DataLoader(ImageFiles(images, captioner.input_size), batch_size=batch_size,
@@ -118,6 +118,7 @@ def caption_split(captioner, images: list, batch_size: int = 32, num_workers: in
                         pin_memory=captioner.device.type == "cuda")
     captions: dict[str, str] = {}
     failed: dict[str, str] = {}
+    rate = RateLog(len(images), label="captions")
     with ProgressBar(len(images), "captions") as advance:
         for keys, batch, failures in loader:
             for key, reason in failures:
@@ -127,6 +128,7 @@ def caption_split(captioner, images: list, batch_size: int = 32, num_workers: in
                 results = captioner.caption_annotations(captioner.encode(batch), **decoding)
                 captions.update(zip(keys, (r.caption for r in results), strict=True))
             advance(len(keys) + len(failures))
+            rate(len(keys) + len(failures))
     return captions, failed
 
 

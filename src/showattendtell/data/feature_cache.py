@@ -146,7 +146,7 @@ class FeatureCache:
         rows: list[np.ndarray] = []
         done = 0
         bar_enabled = None if progress else False
-        rate = _RateLog(len(todo), enabled=progress)
+        rate = RateLog(len(todo), enabled=progress)
         with torch.inference_mode(), ProgressBar(len(todo), "features", bar_enabled) as bar:
             for batch_keys, batch, failures in loader:
                 for key, reason in failures:
@@ -192,11 +192,12 @@ class FeatureCache:
         return n
 
 
-class _RateLog:
+class RateLog:
     """Progress lines for runs without a terminal (logs, batch jobs), where the bar is silent."""
 
-    def __init__(self, total: int, enabled: bool = True, every_s: float = 60.0):
-        self.total, self.every_s = total, every_s
+    def __init__(self, total: int, enabled: bool = True, every_s: float = 60.0,
+                 label: str = "features"):
+        self.total, self.every_s, self.label = total, every_s, label
         self.enabled = enabled and not _stderr_isatty()
         self.start = self.last = time.monotonic()
         self.count = 0
@@ -208,8 +209,8 @@ class _RateLog:
             self.last = now
             speed = self.count / max(now - self.start, 1e-9)
             eta = (self.total - self.count) / speed if speed else float("inf")
-            log.info("features: %d/%d images, %.1f img/s, %.0f min left",
-                     self.count, self.total, speed, eta / 60)
+            log.info("%s: %d/%d images, %.1f img/s, %.0f min left",
+                     self.label, self.count, self.total, speed, eta / 60)
 
     def finish(self, stored: int, size: int) -> None:
         elapsed = time.monotonic() - self.start
