@@ -245,15 +245,19 @@ def caption_image(service: CaptionService, image: Any, model: str | None = None,
     ``image`` is a Gradio upload (dict with a ``path``), a file path, bytes or a PIL image.
     Raises a UserError subclass with a one-line message for anything that is the caller's fault.
     """
+    captioner = service.get(model)  # an unknown model fails before any decoding
     source = image if isinstance(image, (bytes, Image.Image)) else upload_source(image)
     try:
-        img = open_image(source)
+        try:
+            img = open_image(source)
+        except Image.DecompressionBombError as e:  # PIL refuses > 2x its limit already in open()
+            raise ImageError(f"{source if isinstance(source, str) else 'the image'}: too large "
+                             f"to decode safely ({e})") from None
     except ImageError as e:  # name the file as the user knows it, not by its server path
         if not isinstance(source, str):
             raise
         name = image.get("orig_name") if isinstance(image, dict) else None
         raise ImageError(str(e).replace(source, name or Path(source).name)) from None
-    captioner = service.get(model)
     result = service.caption(img, captioner.name, int(beam_size) if beam_size else None,
                              int(max_length) if max_length else None)
     return Captioned(img, result, captioner.name, captioner.attention_type)

@@ -279,15 +279,18 @@ def test_browser_upload_shows_caption_and_overlays(server: str, tmp_path: Path):
                     f"document.querySelector('#word-view img')?.src !== {json.dumps(first)}",
                     timeout=30_000)
             page.screenshot(path=str(shot), full_page=True)
-            # a text file gets a clear message, and the page keeps working
-            bad = tmp_path / "notes.txt"
-            bad.write_text("not an image")
-            page.locator("#input-image button[aria-label='Clear']").first.click()
+            # a truncated JPEG gets a clear message, and the page keeps working (the browser
+            # itself refuses files that are not image/*, so a text file never reaches us here)
+            bad = tmp_path / "cut.jpg"
+            data = coco_photo(0).read_bytes()
+            bad.write_bytes(data[: len(data) // 3])
+            page.locator("#input-image button[aria-label='Remove Image']").first.click()
             page.set_input_files(upload, str(bad))
             page.wait_for_function(
                 "document.querySelector('#status')?.innerText.includes('Cannot caption')",
                 timeout=60_000)
-            assert "not an image" in page.inner_text("#status")
+            assert "cut.jpg" in page.inner_text("#status")
+            assert "corrupt or truncated" in page.inner_text("#status")
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
