@@ -65,13 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        # before train/features too: their data loading, feature extraction and progress lines log
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
         # train and features hand their arguments to LightningCLI (YAML configs, dotted overrides)
         if argv and argv[0] in ("train", "features"):
             from showattendtell import train
 
             (train.train if argv[0] == "train" else train.extract_features)(argv[1:])
             return 0
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
         args = build_parser().parse_args(argv)
         return args.func(args)
     except UserError as e:
