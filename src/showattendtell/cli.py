@@ -62,17 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_package_to_stderr() -> None:
+    """Our INFO lines (dataset counts, feature-extraction progress) under LightningCLI, which
+    configures only Lightning's own loggers. The root logger is left alone: configuring it would
+    print Lightning's lines twice."""
+    pkg = logging.getLogger("showattendtell")
+    if not pkg.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        pkg.addHandler(handler)
+        pkg.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        # before train/features too: their data loading, feature extraction and progress lines log
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
         # train and features hand their arguments to LightningCLI (YAML configs, dotted overrides)
         if argv and argv[0] in ("train", "features"):
+            _log_package_to_stderr()
             from showattendtell import train
 
             (train.train if argv[0] == "train" else train.extract_features)(argv[1:])
             return 0
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
         args = build_parser().parse_args(argv)
         return args.func(args)
     except UserError as e:
