@@ -46,8 +46,11 @@ def open_image(source: str | Path | bytes | Image.Image, max_pixels: int = MAX_P
             img = Image.open(fp)
         except UnidentifiedImageError:
             raise ImageError(f"{name}: not an image file (or a format we cannot read)") from None
+        except Image.DecompressionBombError:
+            raise ImageError(f"{name}: the image is too large (over {max_pixels:,} pixels); "
+                             "resize it first") from None
         except OSError as e:
-            raise ImageError(f"{name}: cannot be read ({e})") from None
+            raise ImageError(f"{name}: the image data is corrupt or truncated ({e})") from None
         if img.width * img.height > max_pixels:
             raise ImageError(
                 f"{name}: {img.width}x{img.height} is too large (limit {max_pixels:,} pixels); "

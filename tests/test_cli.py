@@ -1,0 +1,81 @@
+"""`sat train` / `sat export` / `sat caption` end to end on a small synthetic Flickr8k folder."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from showattendtell.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained_run(synthetic_flickr, tmp_path_factory):
+    """configs/tiny.yaml writes under runs/tiny relative to the working directory."""
+    work = tmp_path_factory.mktemp("work")
+    args = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+            "--data.root", str(synthetic_flickr), "--data.feature_cache", "cache"]
+    old = os.getcwd()
+    os.chdir(work)
+    try:
+        assert main(args) == 0
+        yield work / "runs" / "tiny", args, work
+    finally:
+        os.chdir(old)
+
+
+def test_train_writes_best_and_last_checkpoints_and_logs(trained_run):
+    run, _, work = trained_run
+    ckpts = sorted(p.name for p in (run / "checkpoints").glob("*.ckpt"))
+    assert "last.ckpt" in ckpts and any(p.startswith("best-") for p in ckpts)
+    assert list(run.rglob("metrics.csv")), "CSV log missing"
+    assert list(run.rglob("events.out.tfevents.*")), "TensorBoard log missing"
+    assert any((work / "cache").rglob("shard-*.npy")), "features were not cached"
+    header = next(run.rglob("metrics.csv")).read_text().splitlines()[0]
+    assert "val/bleu4" in header and "train/loss" in header
+
+
+def test_resume_from_last_checkpoint(trained_run):
+    run, args, _ = trained_run
+    last = run / "checkpoints" / "last.ckpt"
+    assert main([*args, "--trainer.max_epochs", "3", "--ckpt_path", str(last)]) == 0
+    state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert state["epoch"] == 2  # continued from epoch 1 to the third epoch
+
+
+def test_export_and_caption_match_the_checkpoint(trained_run, synthetic_flickr, capsys):
+    from showattendtell.images import open_image, preprocess
+    from showattendtell.lit_module import CaptionModule
+    from showattendtell.model import DecodingConfig
+
+    run, _, _ = trained_run
+    ckpt = run / "checkpoints" / "last.ckpt"
+    out = run / "model.safetensors"
+    assert main(["export", str(ckpt), str(out), "--beam-size", "3"]) == 0
+    images = sorted((synthetic_flickr / "images").glob("*.jpg"))[:4]
+
+    module = CaptionModule.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True)
+    module.eval()
+    with torch.no_grad():
+        feats = module.model.encoder(torch.stack([preprocess(open_image(p), 64) for p in images]))
+    expected = [" ".join(module.model.words(h[0]))
+                for h in module.model.generate(feats, DecodingConfig(beam_size=3))]
+
+    capsys.readouterr()
+    assert main(["caption", *map(str, images), "--model", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    got = [json.loads(line)["caption"] if line.startswith("{") else line.split("\t")[-1]
+           for line in lines]
+    assert got == expected
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["caption", str(tmp_path / "x.jpg"), "--model", str(tmp_path / "no.safetensors")]
+                ) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "no.safetensors" in err and len(err.splitlines()) == 1
+    assert main(["export", str(tmp_path / "none.ckpt"), str(tmp_path / "m.safetensors")]) == 1
+    assert "checkpoint not found" in capsys.readouterr().err

@@ -1,0 +1,77 @@
+import torch
+from test_attention import small_decoder
+
+from showattendtell.decoding import END, UNK, beam_search, greedy_decode
+
+
+def trained_like_decoder(attention="soft"):
+    dec = small_decoder(attention=attention, seed=2).eval()
+    with torch.no_grad():  # make <end> plausible so that captions end at different lengths
+        dec.out_vocab.bias[END] += 2.0
+        dec.out_vocab.bias[UNK] += 5.0  # <unk> would win if it were allowed
+    return dec
+
+
+def feats(B=5, L=9, D=12, seed=0):
+    return torch.randn(B, L, D, generator=torch.Generator().manual_seed(seed))
+
+
+def test_beam_of_one_equals_greedy():
+    dec, a = trained_like_decoder(), feats()
+    greedy = greedy_decode(dec, a, max_length=12)
+    beam = beam_search(dec, a, beam_size=1, max_length=12)
+    for g, b in zip(greedy, beam, strict=True):
+        assert g[0].tokens == b[0].tokens
+        assert abs(g[0].log_prob - b[0].log_prob) < 1e-4
+        assert torch.allclose(g[0].alphas, b[0].alphas, atol=1e-6)
+
+
+def test_beam_returns_one_attention_map_per_emitted_word():
+    dec, a = trained_like_decoder(), feats()
+    for hyps in beam_search(dec, a, beam_size=3, max_length=12):
+        assert len(hyps) == 3
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        for h in hyps:
+            assert h.alphas.shape == (len(h.tokens), 9)
+            assert torch.allclose(h.alphas.sum(1), torch.ones(len(h.tokens)), atol=1e-5)
+            assert len(h.tokens) <= 12
+
+
+def test_unk_is_never_emitted_by_default():
+    dec, a = trained_like_decoder(), feats()
+    for hyps in beam_search(dec, a, beam_size=3, max_length=8) + greedy_decode(dec, a, 8):
+        for h in hyps:
+            assert UNK not in h.tokens
+    allowed = greedy_decode(dec, a, 8, allow_unk=True)
+    assert any(UNK in h[0].tokens for h in allowed)  # the bias above makes it likely
+
+
+def test_beam_search_finds_higher_likelihood_than_greedy():
+    dec, a = trained_like_decoder(), feats(B=8)
+    greedy = greedy_decode(dec, a, max_length=10)
+    beam = beam_search(dec, a, beam_size=5, max_length=10)
+    assert all(b[0].log_prob >= g[0].log_prob - 1e-5 for g, b in zip(greedy, beam, strict=True))
+
+
+def test_beam_log_prob_is_the_caption_log_probability():
+    dec, a = trained_like_decoder(), feats(B=3)
+    for hyps, x in zip(beam_search(dec, a, beam_size=3, max_length=12), a, strict=True):
+        h = hyps[0]
+        caption = torch.tensor([[1, *h.tokens, END]])
+        with torch.no_grad():
+            out = dec(x[None], caption, torch.tensor([len(h.tokens) + 1]))
+            ll = -torch.nn.functional.cross_entropy(out.logits, out.targets, reduction="sum")
+        # banned words are masked after the softmax: scores are the model's own log p
+        assert abs(float(ll) - h.log_prob) < 1e-4
+
+
+def test_hard_attention_decoding_reports_chosen_locations():
+    dec, a = trained_like_decoder("hard"), feats()
+    for mode in ("argmax", "sample"):
+        for hyps in beam_search(dec, a, beam_size=2, max_length=6, hard_mode=mode):
+            h = hyps[0]
+            assert h.locations is not None and len(h.locations) == len(h.tokens)
+            if mode == "argmax":
+                assert h.locations == h.alphas.argmax(1).tolist()
+    expect = greedy_decode(dec, a, 6, hard_mode="expectation")
+    assert all(h[0].locations is None for h in expect)

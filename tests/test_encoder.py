@@ -1,0 +1,81 @@
+import pytest
+import torch
+from conftest import RESNET50_CAFFE, needs_resnet50
+
+from showattendtell.encoder import Encoder, EncoderConfig
+
+
+@pytest.mark.parametrize("backbone,size,grid,dim", [
+    ("resnet50", 64, 2, 2048), ("resnet101", 64, 2, 2048), ("resnet152", 64, 2, 2048),
+    ("vgg16", 64, 4, 512), ("vgg19", 64, 4, 512),
+])
+def test_backbones_give_annotation_grids(backbone, size, grid, dim):
+    cfg = EncoderConfig(backbone=backbone, weights=None, input_size=size)
+    assert (cfg.grid, cfg.feature_dim) == (grid, dim)
+    with torch.no_grad():
+        out = Encoder(cfg)(torch.randn(2, 3, size, size))
+    assert out.shape == (2, grid * grid, dim)
+
+
+def test_adaptive_pooling_sets_the_grid():
+    cfg = EncoderConfig(backbone="resnet50", weights=None, input_size=96, grid_size=2)
+    with torch.no_grad():
+        assert Encoder(cfg)(torch.randn(1, 3, 96, 96)).shape == (1, 4, 2048)
+
+
+def test_frozen_by_default_and_fine_tuning_last_stages():
+    enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, input_size=64))
+    assert not enc.trainable
+    enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, input_size=64,
+                                fine_tune_stages=1))
+    assert all(p.requires_grad for p in enc.stages[-1].parameters())
+    assert not any(p.requires_grad for p in enc.stages[-2].parameters())
+    enc.train()
+    assert not enc.training  # BatchNorm statistics stay frozen
+
+
+def test_caffe_style_moves_the_strides():
+    enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, caffe_style=True))
+    for stage in enc.stages[2:]:
+        assert stage[0].conv1.stride == (2, 2) and stage[0].conv2.stride == (1, 1)
+    with pytest.raises(ValueError):
+        EncoderConfig(backbone="vgg16", caffe_style=True)
+
+
+def test_fingerprint_changes_with_what_changes_the_features():
+    base = EncoderConfig(weights=None)
+    assert base.fingerprint() == EncoderConfig(weights=None, fine_tune_stages=2).fingerprint()
+    for other in (EncoderConfig(weights=None, input_size=448),
+                  EncoderConfig(backbone="resnet101", weights=None),
+                  EncoderConfig(weights=None, caffe_style=True), EncoderConfig()):
+        assert other.fingerprint() != base.fingerprint()
+
+
+def test_bad_weights_files_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Encoder(EncoderConfig(weights=str(tmp_path / "none.pth")))
+    bad = tmp_path / "bad.pth"
+    bad.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="not a plain PyTorch state-dict"):
+        Encoder(EncoderConfig(weights=str(bad)))
+
+
+@needs_resnet50
+def test_shared_caffe_resnet50_classifies_a_real_photo():
+    """The v1 stride fix matters: with it the ImageNet head recognises a tennis racket."""
+    import torchvision
+    from conftest import COCO_SUBSET
+
+    from showattendtell.images import open_image, preprocess
+
+    photo = COCO_SUBSET / "images" / "000000078915.jpg"
+    if not photo.is_file():
+        pytest.skip(f"{photo} not found")
+    enc = Encoder(EncoderConfig(weights=str(RESNET50_CAFFE), caffe_style=True))
+    net = torchvision.models.resnet50()
+    net.load_state_dict(torch.load(RESNET50_CAFFE, weights_only=True))
+    with torch.no_grad():
+        grid = enc(preprocess(open_image(photo), 224)[None])  # (1, 49, 2048)
+        logits = net.fc(grid.mean(1))
+    assert grid.shape == (1, 49, 2048)
+    assert int(logits.argmax()) == 752  # racket

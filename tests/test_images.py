@@ -1,0 +1,106 @@
+"""Decoding untrusted files: odd formats are handled, bad files give one-line ImageErrors."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from showattendtell.images import ImageError, list_images, open_image, preprocess
+
+
+def photo(w=40, h=20) -> Image.Image:
+    a = np.zeros((h, w, 3), np.uint8)
+    a[:, : w // 2] = (255, 0, 0)  # left half red, right half black
+    return Image.fromarray(a)
+
+
+def save(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def test_exif_rotation_is_applied():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise on display
+    img = open_image(save(photo(40, 20), "JPEG", exif=exif, quality=95))
+    assert img.size == (20, 40)
+    assert img.getpixel((10, 5))[0] > 200 and img.getpixel((10, 35))[0] < 60
+
+
+@pytest.mark.parametrize("make", [
+    lambda: save(photo().convert("CMYK"), "JPEG"),
+    lambda: save(photo().convert("RGBA"), "PNG"),
+    lambda: save(photo().convert("P"), "PNG"),
+    lambda: save(photo(), "BMP"),
+    lambda: save(photo(), "WEBP"),
+    lambda: save(photo(), "TIFF"),
+])
+def test_common_modes_become_rgb(make):
+    img = open_image(make())
+    assert img.mode == "RGB" and img.size == (40, 20)
+    r, g, b = img.getpixel((5, 5))
+    assert r > 150 and g < 80  # the red half stays red: CMYK / palette conversions are right
+
+
+def test_greyscale_becomes_rgb():
+    img = open_image(save(photo().convert("L"), "BMP"))
+    assert img.mode == "RGB" and len(set(img.getpixel((5, 5)))) == 1
+
+
+def test_sixteen_bit_greyscale_keeps_its_range():
+    a = np.full((10, 10), 40000, np.uint16)
+    img = open_image(save(Image.fromarray(a), "PNG"))
+    assert img.mode == "RGB" and abs(img.getpixel((0, 0))[0] - round(40000 / 65535 * 255)) <= 1
+
+
+def test_transparency_is_composited_on_white():
+    rgba = Image.new("RGBA", (8, 8), (255, 0, 0, 0))
+    assert open_image(save(rgba, "PNG")).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_animated_gif_gives_its_first_frame():
+    frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 0, 255))]
+    data = save(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    r, g, b = open_image(data).getpixel((0, 0))
+    assert r > 200 and b < 50
+
+
+@pytest.mark.parametrize("data,message", [
+    (b"", "empty"),
+    (b"just some text\n", "not an image"),
+    (save(photo(200, 200), "JPEG")[:300], "corrupt or truncated"),
+])
+def test_bad_files_give_one_line_errors(data, message):
+    with pytest.raises(ImageError, match=message) as err:
+        open_image(data)
+    assert "\n" not in str(err.value)
+
+
+def test_decompression_bomb_is_refused_before_decoding():
+    # a 20000x20000 PNG header with a tiny body: refused from the header alone
+    data = save(Image.new("1", (20000, 20000)), "PNG")
+    assert len(data) < 200_000
+    with pytest.raises(ImageError, match="too large"):
+        open_image(data)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ImageError, match="no such file"):
+        open_image(tmp_path / "nope.jpg")
+
+
+def test_preprocess_shape_and_normalisation():
+    x = preprocess(photo(), 64)
+    assert x.shape == (3, 64, 64)
+    assert x[0, 0, 0] > 2.0 and x[1, 0, 0] < -1.9  # red after ImageNet normalisation
+
+
+def test_list_images_finds_by_suffix(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for name in ("a.jpg", "b.PNG", "notes.txt", "sub/c.webp"):
+        (tmp_path / name).write_bytes(b"x")
+    assert [p.name for p in list_images([tmp_path])] == ["a.jpg", "b.PNG"]
+    assert [p.name for p in list_images([tmp_path], recursive=True)] == ["a.jpg", "b.PNG",
+                                                                         "c.webp"]

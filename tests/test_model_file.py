@@ -1,0 +1,75 @@
+"""The exported model file: pickle-free, self-describing, same captions as the checkpoint."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from synthetic import make_example
+
+from showattendtell.inference import load_model
+from showattendtell.model_file import ModelFileError, read_model, save_model
+
+
+def test_export_round_trip_keeps_captions(tiny_model_file, tmp_path):
+    captioner = load_model(tiny_model_file, device="cpu")
+    rng = np.random.default_rng(3)
+    images = [make_example(rng)[0] for _ in range(4)]
+    before = captioner.caption(images, beam_size=3)
+    again = save_model(captioner.model, tmp_path / "again.safetensors", captioner.decoding)
+    after = load_model(again, device="cpu").caption(images, beam_size=3)
+    assert [r.caption for r in before] == [r.caption for r in after]
+    for b, a in zip(before, after, strict=True):
+        assert abs(b.log_prob - a.log_prob) < 1e-5
+        np.testing.assert_allclose(b.attention, a.attention, atol=1e-6)
+
+
+def test_half_precision_file_is_smaller_and_captions_alike(tiny_model_file, tmp_path):
+    model, decoding, _ = read_model(tiny_model_file)
+    full = save_model(model, tmp_path / "full.safetensors", decoding)
+    half = save_model(model, tmp_path / "half.safetensors", decoding, half=True)
+    assert half.stat().st_size < 0.6 * full.stat().st_size
+    rng = np.random.default_rng(4)
+    images = [make_example(rng)[0] for _ in range(6)]
+    a = load_model(full, "cpu").caption(images, beam_size=3)
+    b = load_model(half, "cpu").caption(images, beam_size=3)
+    assert sum(x.caption == y.caption for x, y in zip(a, b, strict=True)) >= 5
+
+
+def test_file_carries_its_configuration(tiny_model_file):
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_model_file), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "showattendtell/caption-model"
+    assert json.loads(meta["encoder"])["backbone"] == "resnet50"
+    assert json.loads(meta["vocab"])[:4] == ["<pad>", "<start>", "<end>", "<unk>"]
+
+
+@pytest.mark.parametrize("kind", ["missing", "text", "truncated", "foreign", "checkpoint",
+                                  "mismatch"])
+def test_bad_model_files_give_clear_errors(kind, tiny_model_file, tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    if kind == "text":
+        path.write_text("hello")
+    elif kind == "truncated":
+        path.write_bytes(tiny_model_file.read_bytes()[:5000])
+    elif kind == "foreign":
+        save_file({"w": torch.zeros(3)}, str(path), metadata={"format": "other"})
+    elif kind == "checkpoint":
+        path = tmp_path / "last.ckpt"
+        path.write_bytes(b"x")
+    elif kind == "mismatch":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(tiny_model_file), framework="pt") as f:
+            meta = f.metadata()
+        state = load_file(str(tiny_model_file))
+        state.pop(next(iter(state)))
+        save_file(state, str(path), metadata=meta)
+    with pytest.raises(ModelFileError) as err:
+        read_model(path)
+    assert "\n" not in str(err.value) and str(path.name) in str(err.value)
