@@ -58,6 +58,22 @@ def start_server(model: str | None, device: str, max_batch: int, port: int,
     raise SystemExit("sat serve did not start in time")
 
 
+def write_stand_in(path: Path) -> Path:
+    """A model with the flickr8k_soft architecture (ResNet-50 at 224 px, 7x7 grid, 512/1024/512
+    decoder, Flickr8k-sized vocabulary) and untrained weights, for timing before a trained model
+    exists. Untrained captions run to max_length (20 words), so decoding is a worst case."""
+    from showattendtell.decoder import DecoderConfig
+    from showattendtell.encoder import EncoderConfig
+    from showattendtell.model import CaptionModel, DecodingConfig
+    from showattendtell.model_file import save_model
+    from showattendtell.vocab import SPECIALS, Vocabulary
+
+    vocab = Vocabulary([*SPECIALS, *(f"w{i}" for i in range(2900))])
+    enc = EncoderConfig(backbone="resnet50", weights=None, caffe_style=True, input_size=224)
+    model = CaptionModel(vocab, enc, DecoderConfig("soft", 512, 1024, 512, 0.5))
+    return save_model(model.eval(), path, DecodingConfig(beam_size=3, max_length=20))
+
+
 def timed_requests(url: str, image: str, n: int, out: list[float]) -> None:
     from gradio_client import Client, handle_file
 
@@ -105,11 +121,17 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, nargs="+", default=[8],
                    help="server batch limits to compare (1: no batching)")
     p.add_argument("--url", help="measure a running server instead of starting one")
+    p.add_argument("--stand-in", metavar="PATH",
+                   help="write an untrained model with the flickr8k_soft architecture to PATH "
+                        "and serve it (when no trained model exists yet)")
     args = p.parse_args()
+    if args.stand_in:
+        args.model = str(write_stand_in(Path(args.stand_in)))
     import torch
 
-    report = {"image": args.image, "device": args.device, "cpu_threads": torch.get_num_threads(),
-              "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), "runs": {}}
+    report = {"model": args.model, "image": args.image, "device": args.device,
+              "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+              "load_avg_1m": round(os.getloadavg()[0], 2), "runs": {}}
     if args.url:
         report["runs"]["url"] = measure(args.url, args.image, args.requests, args.clients)
     for mb in ([] if args.url else args.max_batch):
