@@ -399,7 +399,8 @@ def build_app(service: CaptionService, examples: Sequence[Path] = (),
                 button = gr.Button("Caption", variant="primary", elem_id="caption-button")
                 if examples:
                     gr.Examples([[str(p)] for p in examples], inputs=[image],
-                                label="Examples", examples_per_page=MAX_EXAMPLES)
+                                label="Examples", examples_per_page=MAX_EXAMPLES,
+                                elem_id="examples")
             with gr.Column(scale=2):
                 status = gr.Markdown("Upload, paste or pick an example image.",
                                      elem_id="status")
@@ -444,12 +445,12 @@ def launch(service: CaptionService, host: str = "127.0.0.1", port: int = 7860,
            queue_size: int = 64, block: bool = True) -> gr.Blocks:
     """Build and start the app; ``block=False`` returns once it serves (tests, benchmarks).
 
-    Only the example files themselves are added to Gradio's allowed paths; uploads live in its
-    own upload folder, and no other file on the machine is served or read.
+    Gradio copies the example photos into its cache when the app is built; requests can only
+    name files in its upload folder or cache, so no other file on the machine is served or read.
     """
     app = build_app(service, examples, concurrency=concurrency)
     app.queue(max_size=queue_size)
     app.launch(server_name=host, server_port=port, max_file_size=int(max_upload_mb * 2**20),
-               allowed_paths=[str(p) for p in examples], css=CSS, footer_links=["api"],
+               css=CSS, footer_links=["api"],
                prevent_thread_lock=not block, quiet=not block)
     return app

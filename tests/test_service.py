@@ -66,7 +66,8 @@ def service(tiny_model_file: Path, tiny_hard_model_file: Path):
 def server(service: CaptionService):
     """The app served on 127.0.0.1 (a free port) exactly as `sat serve` does, 1 MB upload limit."""
     port = free_port()
-    app = launch(service, "127.0.0.1", port, max_upload_mb=1, block=False)
+    app = launch(service, "127.0.0.1", port, max_upload_mb=1, block=False,
+                 examples=[coco_photo(1)] if COCO_SUBSET.is_dir() else [])
     yield f"http://127.0.0.1:{port}/"
     app.close()
 
@@ -291,6 +292,12 @@ def test_browser_upload_shows_caption_and_overlays(server: str, tmp_path: Path):
                 timeout=60_000)
             assert "cut.jpg" in page.inner_text("#status")
             assert "corrupt or truncated" in page.inner_text("#status")
+            # picking an example photo captions it
+            page.locator("#examples img").first.click()
+            page.wait_for_function(
+                "document.querySelector('#status')?.innerText.startsWith('Captioned by')",
+                timeout=60_000)
+            assert page.input_value("#caption-text textarea")
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
