@@ -82,10 +82,12 @@ class CaptionService:
     requests from oversubscribing the CPU cores.
     """
 
-    def __init__(self, captioners: dict[str, Captioner], max_batch: int = 8):
+    def __init__(self, captioners: dict[str, Captioner], max_batch: int = 8,
+                 max_upload_bytes: int = 10 * 2**20):
         if not captioners:
             raise ServiceError("no model to serve")
         self.captioners = captioners
+        self.max_upload_bytes = max_upload_bytes  # for images sent inline (data URLs)
         self.max_batch = max(1, max_batch)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="caption-worker", daemon=True)
@@ -230,7 +232,7 @@ def upload_source(upload: Any, max_bytes: int | None = None) -> str | bytes:
         except (IndexError, binascii.Error):
             raise ImageError("the pasted image data is not valid base64") from None
         if max_bytes is not None and len(data) > max_bytes:
-            raise ImageError(f"the image is larger than the {max_bytes // 2**20} MB limit")
+            raise ImageError(f"the image is larger than the {max_bytes / 2**20:g} MB limit")
         return data
     if isinstance(upload, (str, Path)) and str(upload):
         return str(upload)
@@ -246,7 +248,8 @@ def caption_image(service: CaptionService, image: Any, model: str | None = None,
     Raises a UserError subclass with a one-line message for anything that is the caller's fault.
     """
     captioner = service.get(model)  # an unknown model fails before any decoding
-    source = image if isinstance(image, (bytes, Image.Image)) else upload_source(image)
+    source = (image if isinstance(image, (bytes, Image.Image))
+              else upload_source(image, service.max_upload_bytes))
     try:
         try:
             img = open_image(source)
@@ -448,6 +451,7 @@ def launch(service: CaptionService, host: str = "127.0.0.1", port: int = 7860,
     Gradio copies the example photos into its cache when the app is built; requests can only
     name files in its upload folder or cache, so no other file on the machine is served or read.
     """
+    service.max_upload_bytes = int(max_upload_mb * 2**20)
     app = build_app(service, examples, concurrency=concurrency)
     app.queue(max_size=queue_size)
     app.launch(server_name=host, server_port=port, max_file_size=int(max_upload_mb * 2**20),

@@ -3,6 +3,7 @@ gradio_client against a live server on 127.0.0.1, and a real headless Chromium s
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import socket
@@ -195,6 +196,13 @@ def test_bad_input_gives_clear_messages(service: CaptionService, tmp_path: Path)
             api_caption(service, upload)
     with pytest.raises(gr.Error, match="no image"):
         api_caption(service, None)
+    photo = io.BytesIO()
+    Image.new("RGB", (64, 48), "blue").save(photo, "PNG")
+    inline = "data:image/png;base64," + base64.b64encode(photo.getvalue()).decode()
+    assert caption_image(service, {"url": inline}).image.size == (64, 48)  # pasted inline
+    too_big = "A" * 4 * (service.max_upload_bytes // 3 + 2)  # decodes to just over the limit
+    with pytest.raises(ImageError, match="MB limit"):
+        caption_image(service, {"url": "data:image/png;base64," + too_big})
     with pytest.raises(gr.Error, match="unknown model"):
         api_caption(service, str(tmp_path / "notes.txt"), "nope")
 
