@@ -1,0 +1,152 @@
+"""Decoder training throughput on cached-feature-shaped inputs (issue #7).
+
+Times the full training step (forward, loss with the doubly stochastic / REINFORCE terms,
+backward, Adam step) of the optimised decoder and of a plain per-step baseline that recomputes
+the attention projection every word (tests/reference_decoder.py), and the machine's fp32 matmul
+rate in the same run. Prints a table, then one JSON object as the last line.
+
+    python benchmarks/train_throughput.py --grid 14 --feature-dim 2048 --batch 64 --vocab 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the plain reference implementation lives with the tests
+
+from reference_decoder import reference_soft_loss  # noqa: E402
+
+from showattendtell.decoder import Decoder, DecoderConfig  # noqa: E402
+from showattendtell.losses import hard_attention_loss, soft_attention_loss  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_gflops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
+    """Measured fp32 matmul rate (median of several timings), the machine's practical peak."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    for _ in range(2):
+        a @ b
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def make_batch(B, L, D, V, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(B, L, D, generator=g).relu()  # ReLU features, like a CNN's
+    words = torch.randint(13, 20, (B,), generator=g)  # 13-19 words, as in COCO / Flickr8k
+    T = int(words.max()) + 2
+    caps = torch.zeros(B, T, dtype=torch.long)
+    for b, n in enumerate(words.tolist()):
+        caps[b, 0], caps[b, n + 1] = 1, 2
+        caps[b, 1 : n + 1] = torch.randint(4, V, (n,), generator=g)
+    return feats.to(device), caps.to(device), (words + 1).to(device)
+
+
+def flops_per_token(cfg: DecoderConfig, L: int, D: int, V: int, tokens_per_caption: float):
+    """Matmul FLOPs of one training token: 3x the forward (backward costs about twice)."""
+    E, H, A = cfg.embed_dim, cfg.hidden_dim, cfg.attention_dim
+    per_caption = 2 * L * D * A + 2 * 2 * D * H  # W_a a (once per caption), h0 and c0
+    per_token = 2 * (H * (4 * H + A + 1) + L * A + L * D + D * 4 * H + E * 4 * H + H * E
+                     + D * E + E * V)
+    return 3 * (per_token + per_caption / tokens_per_caption)
+
+
+def time_steps(step, device, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        step()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--grid", type=int, default=14)
+    p.add_argument("--feature-dim", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=10000)
+    p.add_argument("--attention", choices=("soft", "hard"), default="soft")
+    p.add_argument("--embed-dim", type=int, default=512)
+    p.add_argument("--hidden-dim", type=int, default=512)
+    p.add_argument("--attention-dim", type=int, default=512)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--no-baseline", action="store_true", help="skip the slow baseline")
+    args = p.parse_args()
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    random.seed(0)
+    L, D, B, V = args.grid**2, args.feature_dim, args.batch, args.vocab
+    cfg = DecoderConfig(args.attention, args.embed_dim, args.hidden_dim, args.attention_dim, 0.5)
+    dec = Decoder(V, D, cfg).to(device).train()
+    opt = torch.optim.Adam(dec.parameters(), lr=2e-4)
+    feats, caps, lengths = make_batch(B, L, D, V, device)
+    n_tokens = int(lengths.sum())
+    baseline_b = [0.0]
+
+    def fast_step():
+        if args.attention == "soft":
+            loss = soft_attention_loss(dec(feats, caps, lengths), B, 1.0).loss
+        else:  # the REINFORCE pass (the expected-context pass costs the same as soft)
+            out = dec(feats, caps, lengths, mode="sample")
+            loss = hard_attention_loss(out, B, baseline_b[0]).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def baseline_step():
+        loss = reference_soft_loss(dec, feats, caps, lengths, 1.0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    peak = matmul_gflops(device)
+    t_fast = time_steps(fast_step, device, warmup=2, reps=args.reps)
+    t_base = None if args.no_baseline else time_steps(baseline_step, device, 1, max(2, args.reps // 2))
+    fpt = flops_per_token(cfg, L, D, V, n_tokens / B)
+    tok_s = n_tokens / t_fast
+    result = {
+        "device": str(device), "attention": args.attention, "grid": args.grid,
+        "feature_dim": D, "batch": B, "vocab": V, "tokens_per_step": n_tokens,
+        "step_ms": round(t_fast * 1000, 1), "tokens_per_s": round(tok_s, 1),
+        "captions_per_s": round(B / t_fast, 2), "flops_per_token": int(fpt),
+        "achieved_gflops": round(tok_s * fpt / 1e9, 2), "matmul_gflops": round(peak, 1),
+        "fraction_of_peak": round(tok_s * fpt / 1e9 / peak, 3),
+        "threads": torch.get_num_threads(),
+    }
+    if t_base is not None:
+        result["baseline_tokens_per_s"] = round(n_tokens / t_base, 1)
+        result["speedup_vs_baseline"] = round(t_base / t_fast, 2)
+    width = max(map(len, result))
+    for k, v in result.items():
+        print(f"{k:<{width}}  {v}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
