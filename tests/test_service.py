@@ -288,6 +288,13 @@ def test_browser_upload_shows_caption_and_overlays(server: str, tmp_path: Path):
                     f"document.querySelector('#word-view img')?.src !== {json.dumps(first)}",
                     timeout=30_000)
             page.screenshot(path=str(shot), full_page=True)
+            if n > 1:  # clicking a word's panel in the gallery selects that word
+                before = page.get_attribute("#word-view img", "src")
+                page.locator("#word-gallery img").first.click()
+                page.wait_for_function(
+                    f"document.querySelector('#word-view img')?.src !== {json.dumps(before)}",
+                    timeout=30_000)
+                assert page.locator("#words input:checked").get_attribute("value") == "0"
             # a truncated JPEG gets a clear message, and the page keeps working (the browser
             # itself refuses files that are not image/*, so a text file never reaches us here)
             bad = tmp_path / "cut.jpg"
