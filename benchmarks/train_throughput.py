@@ -127,7 +127,9 @@ def main() -> None:
 
     peak = matmul_gflops(device)
     t_fast = time_steps(fast_step, device, warmup=2, reps=args.reps)
-    t_base = None if args.no_baseline else time_steps(baseline_step, device, 1, max(2, args.reps // 2))
+    t_base = None
+    if not args.no_baseline:
+        t_base = time_steps(baseline_step, device, 1, max(2, args.reps // 2))
     fpt = flops_per_token(cfg, L, D, V, n_tokens / B)
     tok_s = n_tokens / t_fast
     result = {

@@ -346,7 +346,7 @@ def ui_caption(service: CaptionService, image: Any, model: str | None = None,
               f"Click a word or a panel to see where the model looked.{note}")
     words = gr.update(choices=[(w, i) for i, w in enumerate(r.words)],
                       value=0 if r.words else None)
-    sheet = caption_sheet(done.image, r) if r.words else None
+    sheet = caption_sheet(_resized(done.image, 1024), r) if r.words else None
     return (status, r.caption, state, gallery, words, word_view(state, 0), sheet, beams)
 
 

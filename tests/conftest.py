@@ -28,9 +28,8 @@ needs_resnet50 = pytest.mark.skipif(
 
 def write_flickr8k_folder(root: Path, n_train: int = 24, n_dev: int = 8, seed: int = 0) -> Path:
     """A Flickr8k-format dataset (token + split files, images/) of synthetic shape images."""
-    from synthetic import make_example
-
     import numpy as np
+    from synthetic import make_example
 
     rng = np.random.default_rng(seed)
     (root / "images").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""REINFORCE for hard attention: the sampled gradient is unbiased; the baseline moves as specified."""
+"""REINFORCE for hard attention: an unbiased sampled gradient; the baseline moves as specified."""
 
 import itertools
 

@@ -33,7 +33,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         raise ModelFileError(f"checkpoint not found: {args.checkpoint}") from None
     except (RuntimeError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
-        raise ModelFileError(f"{args.checkpoint} is not a showattendtell checkpoint ({e})") from None
+        raise ModelFileError(
+            f"{args.checkpoint} is not a showattendtell checkpoint ({e})"
+        ) from None
     decoding = DecodingConfig(**{k: v for k, v in decoding_kwargs(args).items() if v is not None})
     info = {"checkpoint": str(args.checkpoint), "epoch": module.current_epoch}
     path = save_model(module.model, args.output, decoding, half=args.half, info=info)

@@ -61,7 +61,7 @@ class EncoderConfig:
         return self.input_size // (32 if self.backbone in RESNETS else 16)
 
     def fingerprint(self) -> str:
-        """Identifies the features this config computes (not fine-tuning, which is training-only)."""
+        """Identifies the features this config computes (fine-tuning is training-only)."""
         d = asdict(self)
         d.pop("fine_tune_stages")
         if d["weights"] not in (None, "DEFAULT"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 from pathlib import Path
 
@@ -21,7 +22,9 @@ class ImageError(UserError, ValueError):
     """The input is not an image we can decode; the message says why in one line."""
 
 
-def open_image(source: str | Path | bytes | Image.Image, max_pixels: int = MAX_PIXELS) -> Image.Image:
+def open_image(
+    source: str | Path | bytes | Image.Image, max_pixels: int = MAX_PIXELS
+) -> Image.Image:
     """Decode a file, bytes or PIL image to an upright 8-bit RGB image.
 
     Handles EXIF orientation, the first frame of animations, CMYK, 16-bit greyscale and
@@ -61,10 +64,8 @@ def open_image(source: str | Path | bytes | Image.Image, max_pixels: int = MAX_P
             img.load()
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             raise ImageError(f"{name}: the image data is corrupt or truncated ({e})") from None
-    try:
+    with contextlib.suppress(Exception):  # a broken EXIF block: keep the pixels as stored
         img = ImageOps.exif_transpose(img)
-    except Exception:  # broken EXIF block: keep the pixels as stored
-        pass
     return _to_rgb(img)
 
 

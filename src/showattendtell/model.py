@@ -40,7 +40,9 @@ class CaptionModel(nn.Module):
     def grid(self) -> int:
         return self.encoder.config.grid
 
-    def generate(self, annotations: torch.Tensor, decoding: DecodingConfig) -> list[list[Hypothesis]]:
+    def generate(
+        self, annotations: torch.Tensor, decoding: DecodingConfig
+    ) -> list[list[Hypothesis]]:
         """Captions for a batch of annotation grids (B, L, D); beam_size 1 decodes greedily."""
         if decoding.beam_size <= 1:
             return greedy_decode(self.decoder, annotations, decoding.max_length, decoding.hard_mode)
