@@ -164,8 +164,11 @@ class Decoder(nn.Module):
 
         hs, zs, alphas, logps, ents, locs = [], [], [], [], [], []
         for t, n in enumerate(batch_sizes):
+            if n < h.size(0):  # captions that ended drop out (slicing a full batch would
+                # cost a zero-filled gradient buffer of W_a a per step in the backward pass)
+                h, c, projected, a = h[:n], c[:n], projected[:n], a[:n]
             h, c, z, alpha, s = self.recurrent_step(
-                gate_x[:n, t], h[:n], c[:n], projected[:n], a[:n], mode,
+                gate_x[:n, t], h, c, projected, a, mode,
                 None if forced is None else forced[:n, t],
             )
             hs.append(h)
