@@ -41,9 +41,12 @@ def test_train_writes_best_and_last_checkpoints_and_logs(trained_run):
 def test_resume_from_last_checkpoint(trained_run):
     run, args, _ = trained_run
     last = run / "checkpoints" / "last.ckpt"
+    before = torch.load(last, map_location="cpu", weights_only=True)
     assert main([*args, "--trainer.max_epochs", "3", "--ckpt_path", str(last)]) == 0
-    state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    assert state["epoch"] == 2  # continued from epoch 1 to the third epoch
+    after = torch.load(last, map_location="cpu", weights_only=True)
+    assert after["epoch"] == before["epoch"] + 1  # one more epoch, not three from scratch
+    steps_per_epoch = before["global_step"] // 2
+    assert after["global_step"] == before["global_step"] + steps_per_epoch
 
 
 def test_export_and_caption_match_the_checkpoint(trained_run, synthetic_flickr, capsys):
@@ -73,6 +76,9 @@ def test_export_and_caption_match_the_checkpoint(trained_run, synthetic_flickr, 
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.jpg")
     assert main(["caption", str(tmp_path / "x.jpg"), "--model", str(tmp_path / "no.safetensors")]
                 ) != 0
     err = capsys.readouterr().err.strip()
