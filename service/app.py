@@ -29,9 +29,9 @@ from PIL import Image, ImageDraw
 from showattendtell.errors import UserError
 from showattendtell.images import IMAGE_SUFFIXES, ImageError, open_image, preprocess
 from showattendtell.inference import (
-    BUNDLED_DIR,
     Captioner,
     CaptionResult,
+    bundled_models,
     default_model_path,
     load_model,
 )
@@ -167,8 +167,7 @@ def model_paths(paths: Sequence[str | Path] | None) -> list[Path]:
     if paths:
         return [Path(p) for p in paths]
     found = [default_model_path()]
-    found += [p for p in sorted(BUNDLED_DIR.glob("*.safetensors")) if p != found[0]]
-    return found
+    return found + [p for p in bundled_models() if p != found[0]]
 
 
 def load_service(paths: Sequence[str | Path] | None = None, device: str = "auto",

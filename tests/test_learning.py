@@ -37,12 +37,12 @@ def test_overfits_a_handful_of_real_photos():
     torch.manual_seed(0)
     dec = Decoder(len(vocab), 2048, DecoderConfig("soft", 128, 256, 128, dropout=0.0))
     opt = torch.optim.Adam(dec.parameters(), lr=2e-3)
-    for _ in range(150):
+    for _ in range(60):
         terms = soft_attention_loss(dec(feats, caps, lengths), len(images), lam=0.0)
         opt.zero_grad()
         terms.loss.backward()
         opt.step()
-    assert float(terms.nll) < 0.05  # per-token negative log-likelihood, near zero
+    assert float(terms.nll.detach()) < 0.05  # per-token negative log-likelihood, near zero
     dec.eval()
     for hyp, caption in zip(greedy_decode(dec, feats, max_length=30), captions, strict=True):
         assert vocab.decode(hyp[0].tokens) == vocab.decode(vocab.encode(caption)[1:])

@@ -16,6 +16,7 @@ from showattendtell.model_file import ModelFileError, read_model
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
 DEFAULT_MODEL_ENV = "SAT_MODEL"
+DEFAULT_BUNDLED = "flickr8k_soft.safetensors"
 
 
 @dataclass
@@ -99,14 +100,17 @@ class Captioner:
         return self.caption_annotations(self.encode(batch), **decoding)
 
 
+def bundled_models() -> list[Path]:
+    """Model files installed with the package, the default first."""
+    found = sorted(BUNDLED_DIR.glob("*.safetensors"))
+    return sorted(found, key=lambda p: p.name != DEFAULT_BUNDLED)
+
+
 def default_model_path() -> Path:
     """$SAT_MODEL, else the bundled default model."""
     if os.environ.get(DEFAULT_MODEL_ENV):
         return Path(os.environ[DEFAULT_MODEL_ENV])
-    bundled = sorted(BUNDLED_DIR.glob("*.safetensors"))
-    default = BUNDLED_DIR / "default.safetensors"
-    if default.is_file():
-        return default
+    bundled = bundled_models()
     if bundled:
         return bundled[0]
     raise ModelFileError(
