@@ -8,6 +8,7 @@ decoding settings (JSON) and the vocabulary (JSON word list).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -61,6 +62,9 @@ def save_model(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file(state, str(tmp), metadata=meta)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # readable like any other file (installed as package data)
     tmp.replace(path)
     return path
 
