@@ -73,3 +73,19 @@ def test_bad_model_files_give_clear_errors(kind, tiny_model_file, tmp_path):
     with pytest.raises(ModelFileError) as err:
         read_model(path)
     assert "\n" not in str(err.value) and str(path.name) in str(err.value)
+
+
+@pytest.mark.slow
+def test_bundled_model_captions_a_real_photo_sensibly():
+    from conftest import COCO_SUBSET
+
+    from showattendtell.inference import bundled_models
+
+    if not bundled_models():
+        pytest.skip("no bundled model installed")
+    photo = COCO_SUBSET / "images" / "000000431848.jpg"  # a skateboarder in mid-air
+    if not photo.is_file():
+        pytest.skip(f"{photo} not found (COCO val2017 subset in ../shared)")
+    result = load_model(device="cpu").caption([photo], beam_size=3)[0]
+    assert "skateboard" in result.words, result.caption
+    assert result.attention.shape == (len(result.words), 7, 7)
