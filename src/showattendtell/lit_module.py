@@ -101,7 +101,7 @@ class CaptionModule(L.LightningModule):
         if self.attention == "soft":
             out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
             terms = soft_attention_loss(out, B, lam)
-            return terms.loss, {"nll": terms.nll}
+            return terms.loss, {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
         cfg = self.hard_cfg
         if self.training and random.random() >= cfg.expectation_prob:
             out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="sample")
@@ -109,18 +109,22 @@ class CaptionModule(L.LightningModule):
                                         cfg.entropy_weight)
             new_b = update_baseline(float(self.baseline), terms.log_likelihood, cfg.baseline_decay)
             self.baseline.fill_(new_b)
-            return terms.loss, {"nll": terms.nll, "baseline": self.baseline.clone()}
+            # the REINFORCE surrogate's value means nothing (only its gradient does): log the
+            # caption log-likelihood's loss instead, comparable with the expected-context batches
+            return terms.loss, {"nll": terms.nll, "baseline": self.baseline.clone(),
+                                "caption_nll": -terms.log_likelihood.mean()}
         # the expected context: the soft-attention pass of the same network
         out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
         terms = soft_attention_loss(out, B, 0.0)
-        return terms.loss, {"nll": terms.nll}
+        return terms.loss, {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if batch is None:
             return None
         loss, logs = self.compute_loss(batch)
         B = batch["captions"].size(0)
-        self.log("train/loss", loss, prog_bar=True, batch_size=B)
+        if self.attention == "soft":
+            self.log("train/loss", loss, prog_bar=True, batch_size=B)
         for k, v in logs.items():
             self.log(f"train/{k}", v, prog_bar=k == "nll", batch_size=B)
         return loss
