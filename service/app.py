@@ -35,7 +35,13 @@ from showattendtell.inference import (
     default_model_path,
     load_model,
 )
-from showattendtell.overlay import _font, caption_sheet, colour_bar, overlay_attention, word_panels
+from showattendtell.overlay import (
+    caption_sheet,
+    colour_bar,
+    label_font,
+    overlay_attention,
+    word_panels,
+)
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +282,7 @@ def with_colour_bar(image: Image.Image) -> Image.Image:
     out.paste(image, (0, 0))
     out.paste(colour_bar(image.height, bar_w), (image.width + pad, 0))
     draw = ImageDraw.Draw(out)
-    font = _font(12)
+    font = label_font(12)
     x = image.width + pad * 2 + bar_w
     draw.text((x, 0), "high", fill=(0, 0, 0), font=font)
     draw.text((x, image.height - 14), "low", fill=(0, 0, 0), font=font)

@@ -16,7 +16,7 @@ from showattendtell.inference import CaptionResult
 CMAP = "jet"
 
 
-def _font(size: int) -> ImageFont.ImageFont:
+def label_font(size: int) -> ImageFont.ImageFont:
     try:
         return ImageFont.truetype("DejaVuSans.ttf", size)
     except OSError:
@@ -96,12 +96,12 @@ def caption_sheet(image: Image.Image, result: CaptionResult, panel: int = 200,
     draw = ImageDraw.Draw(sheet)
     sheet.paste(top, (pad, pad))
     draw.text((pad, pad + top.height + 8), result.caption or "(empty caption)", fill=(0, 0, 0),
-              font=_font(20))
+              font=label_font(20))
     y0 = pad + top.height + cap_h
     for i, (p, word) in enumerate(zip(panels, result.words, strict=True)):
         r, c = divmod(i, cols)
         x, y = pad + c * (pw + pad), y0 + r * (ph + label_h + pad)
-        draw.text((x, y), word, fill=(0, 0, 0), font=_font(16))
+        draw.text((x, y), word, fill=(0, 0, 0), font=label_font(16))
         sheet.paste(p, (x, y + label_h))
     if panels:
         bar = colour_bar(rows * (ph + label_h + pad) - pad)
