@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from lightning.pytorch.cli import LightningCLI
 
 from showattendtell.data.datamodule import CaptionDataModule
@@ -19,6 +21,8 @@ class SatCLI(LightningCLI):
 
 
 def build_cli(args: list[str]) -> SatCLI:
+    # The frozen encoder stays in eval mode on purpose (BatchNorm statistics are not trained).
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     return SatCLI(
         CaptionModule,
         CaptionDataModule,
