@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -25,7 +25,6 @@ from showattendtell.cli_common import add_decoding_args, decoding_kwargs
 from showattendtell.errors import UserError
 
 if TYPE_CHECKING:
-    import torch
 
     from showattendtell.inference import Captioner, CaptionResult
 
@@ -80,68 +79,6 @@ def add_parser(sub) -> None:
 # --------------------------------------------------------------------------- loading images
 
 
-@dataclass
-class Loaded:
-    """One input after the worker stage: a preprocessed tensor, or why there is none."""
-
-    index: int
-    path: str
-    tensor: torch.Tensor | None = None
-    error: str | None = None
-
-
-@dataclass
-class Batch:
-    """Consecutive inputs (in input order); ``tensors`` stacks the good ones."""
-
-    items: list[Loaded] = field(default_factory=list)
-    tensors: torch.Tensor | None = None
-
-
-class ImageFiles:
-    """A map-style dataset over image paths whose items never raise: errors become records."""
-
-    def __init__(self, paths: list[str], input_size: int):
-        self.paths, self.input_size = paths, input_size
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> Loaded:
-        from showattendtell.images import ImageError, open_image, preprocess
-
-        path = self.paths[i]
-        try:
-            return Loaded(i, path, tensor=preprocess(open_image(path), self.input_size))
-        except ImageError as e:
-            return Loaded(i, path, error=_strip_path(str(e), path))
-        except Exception as e:  # noqa: BLE001 - a decoder bug on one file must not stop the run
-            return Loaded(i, path, error=f"{type(e).__name__}: {e}".strip())
-
-
-def _strip_path(message: str, path: str) -> str:
-    """'photos/a.jpg: not an image file' -> 'not an image file' (the path is its own field)."""
-    return message[len(path) + 2:] if message.startswith(path + ": ") else message
-
-
-def collate(items: list[Loaded]) -> Batch:
-    import torch
-
-    good = [x.tensor for x in items if x.tensor is not None]
-    return Batch(items, torch.stack(good) if good else None)
-
-
-def load_batches(paths: list[str], input_size: int, batch_size: int,
-                 workers: int, pin_memory: bool = False) -> Iterator[Batch]:
-    """Batches of decoded, preprocessed images in input order, decoded by ``workers`` processes."""
-    from torch.utils.data import DataLoader
-
-    loader = DataLoader(ImageFiles(paths, input_size), batch_size=batch_size, shuffle=False,
-                        num_workers=workers, collate_fn=collate, pin_memory=pin_memory,
-                        prefetch_factor=4 if workers else None, persistent_workers=False)
-    yield from loader
-
-
 # --------------------------------------------------------------------------- captioning
 
 
@@ -161,6 +98,8 @@ def caption_files(captioner: Captioner, paths: list[str], batch_size: int = 16,
     Encoding and decoding are batched (greedy for beam 1, batched beam search otherwise); image
     decoding overlaps with them in worker processes.
     """
+    from showattendtell.images import load_batches
+
     workers = default_workers() if workers is None else workers
     pin = captioner.device.type == "cuda"
     for batch in load_batches(paths, captioner.input_size, batch_size, workers, pin):

@@ -108,27 +108,32 @@ def caption_split(captioner, images: list, batch_size: int = 32, num_workers: in
     Returns (image_id -> caption, image_id -> reason for the undecodable ones, which are
     reported and skipped).
     """
-    from torch.utils.data import DataLoader
-
-    from showattendtell.data.feature_cache import ImageFiles, RateLog, collate_images
+    from showattendtell.data.feature_cache import RateLog
+    from showattendtell.images import load_batches
     from showattendtell.progress import ProgressBar
 
-    loader = DataLoader(ImageFiles(images, captioner.input_size), batch_size=batch_size,
-                        num_workers=num_workers, collate_fn=collate_images,
-                        pin_memory=captioner.device.type == "cuda")
+    batches = load_batches([im.path for im in images], captioner.input_size, batch_size,
+                           num_workers, pin_memory=captioner.device.type == "cuda")
     captions: dict[str, str] = {}
     failed: dict[str, str] = {}
     rate = RateLog(len(images), label="captions")
     with ProgressBar(len(images), "captions") as advance:
-        for keys, batch, failures in loader:
-            for key, reason in failures:
-                log.warning("skipping undecodable image: %s", reason)
-                failed[key] = reason
+        for batch in batches:
+            keys = []
+            for item in batch.items:
+                key = images[item.index].image_id
+                if item.error is None:
+                    keys.append(key)
+                else:
+                    reason = f"{item.path}: {item.error}"
+                    log.warning("skipping undecodable image: %s", reason)
+                    failed[key] = reason
             if keys:
-                results = captioner.caption_annotations(captioner.encode(batch), **decoding)
+                results = captioner.caption_annotations(captioner.encode(batch.tensors),
+                                                        **decoding)
                 captions.update(zip(keys, (r.caption for r in results), strict=True))
-            advance(len(keys) + len(failures))
-            rate(len(keys) + len(failures))
+            advance(len(batch.items))
+            rate(len(batch.items))
     return captions, failed
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms.v2 import functional as TF
 
 from showattendtell.encoder import IMAGENET_MEAN, IMAGENET_STD
@@ -101,3 +104,62 @@ def list_images(paths: list[str | Path], recursive: bool = False) -> list[Path]:
         else:
             found.append(p)
     return found
+
+
+# -- decoding many files in DataLoader workers (batch captioning, evaluation, feature cache) ----
+
+
+@dataclass
+class LoadedImage:
+    """One input after the worker stage: a preprocessed tensor, or why there is none."""
+
+    index: int
+    path: str
+    tensor: torch.Tensor | None = None
+    error: str | None = None  # without the path, which is its own field
+
+
+@dataclass
+class ImageBatch:
+    """Consecutive inputs (in input order); ``tensors`` stacks the good ones."""
+
+    items: list[LoadedImage] = field(default_factory=list)
+    tensors: torch.Tensor | None = None
+
+
+class ImageFiles(Dataset):
+    """A map-style dataset over image paths whose items never raise: errors become records."""
+
+    def __init__(self, paths: Sequence[str | Path], input_size: int):
+        self.paths, self.input_size = [str(p) for p in paths], input_size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> LoadedImage:
+        path = self.paths[i]
+        try:
+            return LoadedImage(i, path, tensor=preprocess(open_image(path), self.input_size))
+        except ImageError as e:
+            return LoadedImage(i, path, error=_strip_path(str(e), path))
+        except Exception as e:  # noqa: BLE001 - a decoder bug on one file must not stop the run
+            return LoadedImage(i, path, error=f"{type(e).__name__}: {e}".strip())
+
+
+def _strip_path(message: str, path: str) -> str:
+    """'photos/a.jpg: not an image file' -> 'not an image file' (the path is its own field)."""
+    return message[len(path) + 2:] if message.startswith(path + ": ") else message
+
+
+def collate_images(items: list[LoadedImage]) -> ImageBatch:
+    good = [x.tensor for x in items if x.tensor is not None]
+    return ImageBatch(items, torch.stack(good) if good else None)
+
+
+def load_batches(paths: Sequence[str | Path], input_size: int, batch_size: int, workers: int,
+                 pin_memory: bool = False) -> Iterator[ImageBatch]:
+    """Batches of decoded, preprocessed images in input order, decoded by ``workers`` processes."""
+    loader = DataLoader(ImageFiles(paths, input_size), batch_size=batch_size, shuffle=False,
+                        num_workers=workers, collate_fn=collate_images, pin_memory=pin_memory,
+                        prefetch_factor=4 if workers else None, persistent_workers=False)
+    yield from loader

@@ -28,12 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
 
 from showattendtell.data.datasets import CaptionedImage
 from showattendtell.encoder import Encoder, EncoderConfig
 from showattendtell.errors import UserError
-from showattendtell.images import ImageError, open_image, preprocess
+from showattendtell.images import load_batches
 from showattendtell.progress import ProgressBar
 
 log = logging.getLogger(__name__)
@@ -140,27 +139,28 @@ class FeatureCache:
             return 0
         encoder = encoder.to(device).eval()
         size = encoder.config.input_size
-        loader = DataLoader(ImageFiles(todo, size), batch_size=batch_size,
-                            num_workers=num_workers, collate_fn=collate_images)
+        batches = load_batches([im.path for im in todo], size, batch_size, num_workers)
         keys: list[str] = []
         rows: list[np.ndarray] = []
         done = 0
         bar_enabled = None if progress else False
         rate = RateLog(len(todo), enabled=progress)
         with torch.inference_mode(), ProgressBar(len(todo), "features", bar_enabled) as bar:
-            for batch_keys, batch, failures in loader:
-                for key, reason in failures:
-                    log.warning("skipping %s: %s", key, reason)
-                    self.failed[key] = reason
-                if batch_keys:
-                    feats = encoder(batch.to(device)).to(torch.float16).cpu().numpy()
-                    keys += batch_keys
+            for batch in batches:
+                for item in batch.items:
+                    if item.error is not None:
+                        reason = f"{item.path}: {item.error}"
+                        log.warning("skipping %s: %s", todo[item.index].image_id, reason)
+                        self.failed[todo[item.index].image_id] = reason
+                if batch.tensors is not None:
+                    feats = encoder(batch.tensors.to(device)).to(torch.float16).cpu().numpy()
+                    keys += [todo[it.index].image_id for it in batch.items if it.error is None]
                     rows.append(feats)
                 while len(keys) >= shard_size:
                     done += self._write_shard(keys[:shard_size], rows, shard_size)
                     keys = keys[shard_size:]
-                bar(len(batch_keys) + len(failures))
-                rate(len(batch_keys) + len(failures))
+                bar(len(batch.items))
+                rate(len(batch.items))
         if keys:
             done += self._write_shard(keys, rows, len(keys))
         self._write_failed()
@@ -222,28 +222,3 @@ def _stderr_isatty() -> bool:
     import sys
 
     return sys.stderr.isatty()
-
-
-class ImageFiles(Dataset):
-    """Decodes and preprocesses images in DataLoader workers; a bad file yields its reason."""
-
-    def __init__(self, images: Sequence[CaptionedImage], input_size: int):
-        self.images, self.input_size = images, input_size
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int):
-        im = self.images[i]
-        try:
-            return im.image_id, preprocess(open_image(im.path), self.input_size), None
-        except ImageError as e:
-            return im.image_id, None, str(e)
-
-
-def collate_images(items) -> tuple[list[str], torch.Tensor | None, list[tuple[str, str]]]:
-    """(ids of decoded images, their batch or None, [(id, reason) of undecodable ones])."""
-    ok = [(k, x) for k, x, err in items if err is None]
-    failures = [(k, err) for k, x, err in items if err is not None]
-    batch = torch.stack([x for _, x in ok]) if ok else None
-    return [k for k, _ in ok], batch, failures
