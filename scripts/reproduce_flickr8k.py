@@ -1,0 +1,125 @@
+"""Reproduce the README's Flickr8k table: features, training, export, evaluation, one command.
+
+    python scripts/reproduce_flickr8k.py                       # everything, from scratch
+    python scripts/reproduce_flickr8k.py --skip-train \\
+        --models src/showattendtell/bundled/*.safetensors      # only score given model files
+
+Each step is a plain `sat` command (printed before it runs), so any of them can be re-run by
+hand. Training resumes from `last.ckpt` when a run folder already has one; the feature cache is
+reused when it exists. Scores are the official COCO caption toolkit's (`sat evaluate`, needs
+Java); the table goes to stdout and to runs/flickr8k_table.md, the raw scores to
+runs/flickr8k_table.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+CONFIGS = ("configs/flickr8k_lite2_soft.yaml", "configs/flickr8k_lite2_hard.yaml")
+BEAMS = (1, 3, 5)
+METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr")
+# Xu et al. 2015, Table 1, Flickr8k test split
+PAPER = {
+    "paper, soft": {"Bleu_1": 67.0, "Bleu_2": 44.8, "Bleu_3": 29.9, "Bleu_4": 19.5,
+                    "METEOR": 18.93},
+    "paper, hard": {"Bleu_1": 67.0, "Bleu_2": 45.7, "Bleu_3": 31.4, "Bleu_4": 21.3,
+                    "METEOR": 20.30},
+}
+
+
+def sat(*args: str) -> str:
+    """Run `sat ARGS`, streaming its stderr; return its stdout. Stops the script on failure."""
+    cmd = [sys.executable, "-m", "showattendtell.cli", *args]
+    print("+ sat " + " ".join(args), file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"step failed (exit {done.returncode}): sat {' '.join(args)}")
+    return done.stdout
+
+
+def train_and_export(config: str, extra: list[str]) -> Path:
+    """Features (cached), training (resumed if interrupted), export of the best checkpoint."""
+    run_dir = Path(yaml.safe_load(Path(config).read_text())["trainer"]["default_root_dir"])
+    sat("features", "--config", config, *extra)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    sat("train", "--config", config, *extra, *(["--ckpt_path", str(last)] if last.exists() else []))
+    best = sorted((run_dir / "checkpoints").glob("best-*.ckpt"))
+    if not best:
+        sys.exit(f"no best-*.ckpt in {run_dir / 'checkpoints'}: did training run?")
+    model = Path("models") / f"{Path(config).stem}.safetensors"
+    sat("export", str(best[-1]), str(model), "--half")
+    return model
+
+
+def evaluate(model: Path, dataset: str, root: str, split: str, beam: int) -> dict[str, float]:
+    out = Path("runs") / "eval" / f"{model.stem}-{dataset}-{split}-beam{beam}.json"
+    stdout = sat("evaluate", "--model", str(model), "--dataset", dataset, "--root", root,
+                 "--split", split, "--beam-size", str(beam), "--no-spice", "--output", str(out))
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def table(rows: dict[str, dict[str, float]], columns: tuple[str, ...]) -> str:
+    head = "| model | " + " | ".join(c.replace("_", "-") for c in columns) + " |"
+    lines = [head, "|" + " --- |" * (len(columns) + 1)]
+    for name, scores in rows.items():
+        cells = [f"{scores[c]:.1f}" if c in scores else "" for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), help="training configs")
+    p.add_argument("--models", nargs="+", default=None,
+                   help="with --skip-train: the model files to score")
+    p.add_argument("--skip-train", action="store_true", help="score --models only")
+    p.add_argument("--root", default="../shared/data/flickr8k", help="Flickr8k folder")
+    p.add_argument("--split", default="dev", help="Flickr8k split to score (dev; test if you "
+                                                  "have its images)")
+    p.add_argument("--coco-root", default="../shared/data/coco2017_val_subset",
+                   help="COCO folder for the out-of-domain check ('' to skip)")
+    p.add_argument("--beams", type=int, nargs="+", default=list(BEAMS))
+    p.add_argument("train_args", nargs="*", help="extra `sat train` overrides, after --")
+    args = p.parse_args()
+
+    if args.skip_train:
+        if not args.models:
+            p.error("--skip-train needs --models")
+        models = [Path(m) for m in args.models]
+    else:
+        models = [train_and_export(c, args.train_args) for c in args.configs]
+
+    scores: dict[str, dict[str, float]] = {}
+    rows: dict[str, dict[str, float]] = {}
+    for model in models:
+        for beam in args.beams:
+            s = evaluate(model, "flickr8k", args.root, args.split, beam)
+            scores[f"{model.stem} flickr8k-{args.split} beam {beam}"] = s
+            rows[f"{model.stem}, beam {beam}"] = {k: 100 * v for k, v in s.items()}
+    rows.update(PAPER)
+    text = f"Flickr8k {args.split}\n\n" + table(rows, METRICS)
+
+    if args.coco_root:
+        coco_rows = {}
+        for model in models:
+            best_beam = max(args.beams, key=lambda b: scores[
+                f"{model.stem} flickr8k-{args.split} beam {b}"]["Bleu_4"])
+            s = evaluate(model, "coco", args.coco_root, "val", best_beam)
+            scores[f"{model.stem} coco-subset beam {best_beam}"] = s
+            coco_rows[f"{model.stem}, beam {best_beam}"] = {k: 100 * v for k, v in s.items()}
+        text += "\n\nCOCO val2017 subset (out of domain)\n\n" + table(coco_rows, METRICS)
+
+    Path("runs").mkdir(exist_ok=True)
+    Path("runs/flickr8k_table.json").write_text(json.dumps(scores, indent=1))
+    Path("runs/flickr8k_table.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
