@@ -75,6 +75,42 @@ def test_export_and_caption_match_the_checkpoint(trained_run, synthetic_flickr, 
     assert got == expected
 
 
+def test_hard_run_starts_from_the_soft_run(trained_run, tmp_path):
+    """--model.init_from copies the decoder of a trained run (checkpoint or model file) into a
+    new run, here hard attention from soft; a different architecture is refused in one line."""
+    from showattendtell.lit_module import CaptionModule
+
+    run, args, _ = trained_run
+    soft = run / "checkpoints" / "last.ckpt"
+    exported = tmp_path / "soft.safetensors"
+    assert main(["export", str(soft), str(exported)]) == 0
+    soft_decoder = CaptionModule.load_from_checkpoint(
+        soft, map_location="cpu", weights_only=True).model.decoder.state_dict()
+    for source in (soft, exported):
+        out = tmp_path / source.suffix[1:]
+        hard_args = [*args, "--model.decoder.attention", "hard", "--model.init_from", str(source),
+                     "--trainer.max_epochs", "0", "--trainer.default_root_dir", str(out)]
+        module = _fit_and_return_module(hard_args)
+        assert module.attention == "hard"
+        for k, v in module.model.decoder.state_dict().items():
+            torch.testing.assert_close(v, soft_decoder[k], atol=1e-3, rtol=1e-3)  # fp32 or fp16
+
+    wider = [*args, "--model.decoder.hidden_dim", "48", "--model.init_from", str(soft),
+             "--trainer.max_epochs", "0"]
+    from showattendtell.model_file import ModelFileError
+
+    with pytest.raises(ModelFileError, match="different decoder or encoder size"):
+        _fit_and_return_module(wider)
+
+
+def _fit_and_return_module(args: list[str]):
+    from showattendtell.train import build_cli
+
+    cli = build_cli(args[1:])
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return cli.model
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     from PIL import Image
 

@@ -37,6 +37,30 @@ class OptimizerConfig:
     lr_decay_every: int = 1  # ... every this many epochs (StepLR)
 
 
+def decoder_weights(path: str, vocab: list[str]) -> dict[str, torch.Tensor]:
+    """The decoder's state dict from a training checkpoint or a model file, checked to share
+    ``vocab`` (word ids must mean the same words)."""
+    from showattendtell.model_file import ModelFileError, read_model
+
+    if str(path).endswith(".ckpt"):
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            theirs, state = ckpt["hyper_parameters"]["vocab"], ckpt["state_dict"]
+        except (OSError, KeyError, RuntimeError) as e:
+            raise ModelFileError(f"init_from: {path} is not a showattendtell checkpoint ({e})"
+                                 ) from None
+        prefix = "model.decoder."
+        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    else:
+        model, _, _ = read_model(path)
+        theirs, state = model.vocab.itos, model.decoder.state_dict()
+    if list(theirs) != list(vocab):
+        raise ModelFileError(f"init_from: {path} has a different vocabulary "
+                             f"({len(theirs)} words, this run {len(vocab)}): train it on the "
+                             "same captions with the same min_word_count")
+    return state
+
+
 def _as(cls, value, **defaults):
     if value is None:
         return cls(**defaults)
@@ -53,6 +77,9 @@ class CaptionModule(L.LightningModule):
         hard: REINFORCE settings for hard attention.
         optimizer: optimiser and learning-rate schedule.
         val_decoding: how validation captions are generated (beam size 1 = greedy).
+        init_from: start training from the decoder weights of another run (a ``.ckpt`` or an
+            exported model file with the same vocabulary and encoder), e.g. hard attention from a
+            trained soft-attention model. Ignored when resuming with ``--ckpt_path``.
     """
 
     def __init__(
@@ -64,6 +91,7 @@ class CaptionModule(L.LightningModule):
         hard: HardAttentionConfig | None = None,
         optimizer: OptimizerConfig | None = None,
         val_decoding: DecodingConfig | None = None,
+        init_from: str | None = None,
     ):
         super().__init__()
         # load_from_checkpoint passes the saved hyperparameters back as plain dicts
@@ -76,10 +104,24 @@ class CaptionModule(L.LightningModule):
             "vocab": list(vocab), "encoder": asdict(encoder), "decoder": asdict(decoder),
             "doubly_stochastic": doubly_stochastic, "hard": asdict(self.hard_cfg),
             "optimizer": asdict(self.opt_cfg), "val_decoding": asdict(self.val_decoding),
+            "init_from": init_from,
         })
         self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
         self.register_buffer("baseline", torch.zeros(()))  # REINFORCE moving average
         self._val_predictions: dict[str, str] = {}
+
+    def setup(self, stage: str) -> None:
+        # after a resume, Lightning restores the checkpoint's weights over these anyway
+        if stage == "fit" and self.hparams.get("init_from") and not self.trainer.ckpt_path:
+            from showattendtell.model_file import ModelFileError
+
+            state = decoder_weights(self.hparams.init_from, self.model.vocab.itos)
+            try:
+                self.model.decoder.load_state_dict(state)
+            except RuntimeError as e:
+                raise ModelFileError(
+                    f"init_from: {self.hparams.init_from} has a different decoder or encoder "
+                    f"size than this run: {str(e).splitlines()[-1].strip()}") from None
 
     @property
     def attention(self) -> str:
