@@ -152,6 +152,29 @@ def test_stdout_jsonl_exit_0_and_exif(tiny_model_file, tmp_path, monkeypatch, ca
     np.testing.assert_allclose(rot["attention"], up["attention"], atol=0.05)
 
 
+def test_hard_attention_output_has_locations(tiny_hard_model_file, tmp_path, monkeypatch, capsys):
+    """Hard attention: one chosen (row, col) cell per word, in the grid, in JSONL and in CSV;
+    with --hard-mode argmax the attention map of a word peaks at its location."""
+    monkeypatch.chdir(tmp_path)
+    src = photos(2)
+    args = ["caption", *map(str, src), "--with-attention", "--model", str(tiny_hard_model_file),
+            "--workers", "0", "--beam-size", "2", "--hard-mode", "argmax"]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert main([*args, "-o", "out.csv"]) == 0
+    with open("out.csv", newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    grid = 2
+    for r, c in zip(rows, csv_rows, strict=True):
+        n = len(r["words"])
+        att = np.array(r["attention"])
+        assert att.shape == (n, grid, grid) and len(r["locations"]) == n
+        for (row, col), a in zip(r["locations"], att, strict=True):
+            assert 0 <= row < grid and 0 <= col < grid
+            assert a[row, col] == pytest.approx(a.max())
+        assert json.loads(c["locations"]) == r["locations"] and c["caption"] == r["caption"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["missing_folder"], "no such file or folder: missing_folder"),
     (["."], "no image files found"),
