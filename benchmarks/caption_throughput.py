@@ -6,7 +6,7 @@ already in memory, so the ratio says how much loading, decoding and writing add 
 Warm-up first, then several repetitions; medians are reported. The last line of output is one
 JSON object, for scripts.
 
-    python benchmarks/caption_throughput.py --model runs/models/flickr8k_soft.safetensors
+    python benchmarks/caption_throughput.py --model models/flickr8k_lite2_soft.safetensors
 """
 
 from __future__ import annotations

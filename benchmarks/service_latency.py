@@ -5,7 +5,7 @@ times ``Client.predict(image, api_name="/caption")`` end to end (upload, queue, 
 JSON back): first N requests one after another from one client, then the same from
 ``--clients`` clients at once. Prints p50/p95/mean per scenario and one JSON line.
 
-    python benchmarks/service_latency.py --model runs/models/flickr8k_soft.safetensors \
+    python benchmarks/service_latency.py --model models/flickr8k_lite2_soft.safetensors \
         --device cpu --requests 16 --clients 8 --max-batch 8 1
 """
 

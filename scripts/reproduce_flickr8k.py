@@ -65,10 +65,12 @@ def evaluate(model: Path, dataset: str, root: str, split: str, beam: int) -> dic
 
 
 def table(rows: dict[str, dict[str, float]], columns: tuple[str, ...]) -> str:
-    head = "| model | " + " | ".join(c.replace("_", "-") for c in columns) + " |"
+    head = "| model | " + " | ".join(c.replace("_", "-").replace("Bleu", "BLEU")
+                                     for c in columns) + " |"
     lines = [head, "|" + " --- |" * (len(columns) + 1)]
     for name, scores in rows.items():
-        cells = [f"{scores[c]:.1f}" if c in scores else "" for c in columns]
+        cells = [f"{scores[c]:.{2 if c == 'METEOR' else 1}f}" if c in scores else ""
+                 for c in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ from showattendtell.model_file import ModelFileError, read_model
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
 DEFAULT_MODEL_ENV = "SAT_MODEL"
-DEFAULT_BUNDLED = "flickr8k_soft.safetensors"
+DEFAULT_BUNDLED = "flickr8k_lite2_soft.safetensors"
 
 
 @dataclass

@@ -23,6 +23,8 @@ class SatCLI(LightningCLI):
 def build_cli(args: list[str]) -> SatCLI:
     # The frozen encoder stays in eval mode on purpose (BatchNorm statistics are not trained).
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    # `sat train ARGS` hands ARGS over explicitly, so sys.argv holding them too is intended
+    warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
     return SatCLI(
         CaptionModule,
         CaptionDataModule,
