@@ -219,10 +219,16 @@ def test_resume_drops_truncated_line(tiny_model_file, tmp_path, monkeypatch, cap
     assert main(["caption", *names, "-o", "out.jsonl", "--resume", *model]) == 2
 
 
+def _default_sigint() -> None:
+    # A shell's background job (nohup, `cmd &`) starts with SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: give the child the Ctrl-C a terminal user has.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "showattendtell.cli", "caption", *args],
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, text=True)
+                            start_new_session=True, text=True, preexec_fn=_default_sigint)
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> int:
