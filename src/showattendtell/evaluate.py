@@ -119,15 +119,10 @@ def caption_split(captioner, images: list, batch_size: int = 32, num_workers: in
     rate = RateLog(len(images), label="captions")
     with ProgressBar(len(images), "captions") as advance:
         for batch in batches:
-            keys = []
-            for item in batch.items:
-                key = images[item.index].image_id
-                if item.error is None:
-                    keys.append(key)
-                else:
-                    reason = f"{item.path}: {item.error}"
-                    log.warning("skipping undecodable image: %s", reason)
-                    failed[key] = reason
+            for i, reason in batch.failures():
+                log.warning("skipping undecodable image: %s", reason)
+                failed[images[i].image_id] = reason
+            keys = [images[i].image_id for i in batch.decoded()]
             if keys:
                 results = captioner.caption_annotations(captioner.encode(batch.tensors),
                                                         **decoding)

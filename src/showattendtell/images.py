@@ -126,6 +126,14 @@ class ImageBatch:
     items: list[LoadedImage] = field(default_factory=list)
     tensors: torch.Tensor | None = None
 
+    def decoded(self) -> list[int]:
+        """Input indices of the images stacked in ``tensors``, in order."""
+        return [x.index for x in self.items if x.error is None]
+
+    def failures(self) -> list[tuple[int, str]]:
+        """(input index, "path: reason") of the inputs that did not decode."""
+        return [(x.index, f"{x.path}: {x.error}") for x in self.items if x.error is not None]
+
 
 class ImageFiles(Dataset):
     """A map-style dataset over image paths whose items never raise: errors become records."""

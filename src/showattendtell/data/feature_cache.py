@@ -147,14 +147,12 @@ class FeatureCache:
         rate = RateLog(len(todo), enabled=progress)
         with torch.inference_mode(), ProgressBar(len(todo), "features", bar_enabled) as bar:
             for batch in batches:
-                for item in batch.items:
-                    if item.error is not None:
-                        reason = f"{item.path}: {item.error}"
-                        log.warning("skipping %s: %s", todo[item.index].image_id, reason)
-                        self.failed[todo[item.index].image_id] = reason
+                for i, reason in batch.failures():
+                    log.warning("skipping %s: %s", todo[i].image_id, reason)
+                    self.failed[todo[i].image_id] = reason
                 if batch.tensors is not None:
                     feats = encoder(batch.tensors.to(device)).to(torch.float16).cpu().numpy()
-                    keys += [todo[it.index].image_id for it in batch.items if it.error is None]
+                    keys += [todo[i].image_id for i in batch.decoded()]
                     rows.append(feats)
                 while len(keys) >= shard_size:
                     done += self._write_shard(keys[:shard_size], rows, shard_size)
