@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,34 @@ def test_resume_from_last_checkpoint(trained_run):
     assert after["epoch"] == before["epoch"] + 1  # one more epoch, not three from scratch
     steps_per_epoch = before["global_step"] // 2
     assert after["global_step"] == before["global_step"] + steps_per_epoch
+
+
+def test_schedule_added_on_resume_matches_a_run_trained_with_it(trained_run, tmp_path):
+    """Resuming a run saved without a learning-rate schedule under a config with one continues
+    at the learning rate a run trained with that schedule from the start has at that epoch."""
+    _, args, _ = trained_run
+    schedule = ["--model.optimizer.lr_decay", "0.5", "--model.optimizer.lr_decay_every", "1"]
+    old = os.getcwd()
+    os.chdir(tmp_path)  # tiny.yaml writes runs/tiny/checkpoints/last.ckpt here
+    try:
+        last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+
+        def final_lr(extra: list[str]) -> float:
+            assert main([*args, *extra, "--trainer.max_epochs", "3"]) == 0
+            state = torch.load(last, map_location="cpu", weights_only=True)
+            assert state["epoch"] == 2
+            return state["optimizer_states"][0]["param_groups"][0]["lr"]
+
+        from_start = final_lr(schedule)
+        shutil.rmtree(last.parent)  # or the next run would write last-v1.ckpt
+        assert main([*args, "--trainer.max_epochs", "1"]) == 0  # no schedule, 1 epoch
+        one_epoch = tmp_path / "one_epoch.ckpt"
+        last.rename(one_epoch)
+        resumed = final_lr([*schedule, "--ckpt_path", str(one_epoch)])
+    finally:
+        os.chdir(old)
+    assert from_start == pytest.approx(3e-3 * 0.5**3)  # halved after epochs 0, 1 and 2
+    assert resumed == pytest.approx(from_start)
 
 
 def test_export_and_caption_match_the_checkpoint(trained_run, synthetic_flickr, capsys):

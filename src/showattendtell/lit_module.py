@@ -205,6 +205,20 @@ class CaptionModule(L.LightningModule):
         self.log("val/bleu4", scores["Bleu_4"], sync_dist=True)
         self.log("val/cider", scores["CIDEr"], sync_dist=True)
 
+    def on_train_start(self) -> None:
+        # A run resumed from a checkpoint saved before the schedule was added (or changed) restarts
+        # StepLR's epoch count at 0; put it where a run trained with this schedule from the start
+        # would be, so that one config reproduces a run that was resumed with a new schedule.
+        for config in self.trainer.lr_scheduler_configs:
+            sched = config.scheduler
+            if isinstance(sched, torch.optim.lr_scheduler.StepLR) and \
+                    sched.last_epoch != self.current_epoch:
+                sched.last_epoch = self.current_epoch
+                for group, lr in zip(sched.optimizer.param_groups, sched._get_closed_form_lr(),
+                                     strict=True):
+                    group["lr"] = lr
+                sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
+
     def configure_optimizers(self):
         cfg = self.opt_cfg
         groups = [{"params": [p for p in self.model.decoder.parameters()], "lr": cfg.lr}]
