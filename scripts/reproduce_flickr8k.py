@@ -67,10 +67,9 @@ def inference_modes(model: Path) -> list[str]:
     location (what our hard models show in the UI) and with the expected context, which is the
     default of the authors' released sampler (arctic-captions generate_caps.py, sampling=False:
     alpha_sample = alpha), i.e. how the paper's hard-attention captions were generated."""
-    from safetensors import safe_open
+    from showattendtell.model_file import read_model
 
-    with safe_open(str(model), "pt") as f:
-        attention = json.loads(f.metadata()["decoder"])["attention"]
+    attention = read_model(model)[0].decoder.config.attention
     return ["argmax", "expectation"] if attention == "hard" else [""]
 
 
@@ -82,8 +81,9 @@ def evaluate(model: Path, dataset: str, root: str, split: str, beam: int,
     stdout = sat("evaluate", "--model", str(model), "--dataset", dataset, "--root", root,
                  "--split", split, "--beam-size", str(beam), "--no-spice", "--output", str(out),
                  *mode)
-    print(stdout.strip().splitlines()[-1], file=sys.stderr, flush=True)  # progress, in the log
-    return json.loads(stdout.strip().splitlines()[-1])
+    scores = stdout.strip().splitlines()[-1]
+    print(scores, file=sys.stderr, flush=True)  # progress, in the log
+    return json.loads(scores)
 
 
 def row_name(model: Path, beam: int, hard_mode: str) -> str:
@@ -124,10 +124,11 @@ def main() -> None:
     else:
         models = [train_and_export(c, args.train_args) for c in args.configs]
 
+    modes = {model: inference_modes(model) for model in models}
     scores: dict[str, dict[str, float]] = {}
     rows: dict[str, dict[str, float]] = {}
     for model in models:
-        for mode in inference_modes(model):
+        for mode in modes[model]:
             for beam in args.beams:
                 s = evaluate(model, "flickr8k", args.root, args.split, beam, mode)
                 scores[row_name(model, beam, mode)] = s
@@ -138,7 +139,7 @@ def main() -> None:
     if args.coco_root:
         coco_rows = {}
         for model in models:
-            for mode in inference_modes(model):
+            for mode in modes[model]:
                 best_beam = max(args.beams,
                                 key=lambda b: scores[row_name(model, b, mode)]["Bleu_4"])
                 s = evaluate(model, "coco", args.coco_root, "val", best_beam, mode)
