@@ -75,3 +75,24 @@ def test_hard_attention_decoding_reports_chosen_locations():
                 assert h.locations == h.alphas.argmax(1).tolist()
     expect = greedy_decode(dec, a, 6, hard_mode="expectation")
     assert all(h[0].locations is None for h in expect)
+
+
+def repeated_ngrams(tokens: list[int], n: int) -> int:
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) - len(set(grams))
+
+
+def test_no_repeat_ngram_blocks_every_repeated_ngram():
+    dec, a = trained_like_decoder(), feats(B=6)
+    with torch.no_grad():  # a favourite word and a late <end>: captions repeat themselves
+        dec.out_vocab.bias[END] -= 6.0
+        dec.out_vocab.bias[7] += 3.0
+    free = beam_search(dec, a, beam_size=3, max_length=12) + greedy_decode(dec, a, 12)
+    assert any(repeated_ngrams(h.tokens, 2) for hyps in free for h in hyps)
+    for n in (1, 2, 3):
+        blocked = (beam_search(dec, a, beam_size=3, max_length=12, no_repeat_ngram=n)
+                   + greedy_decode(dec, a, 12, no_repeat_ngram=n))
+        for hyps in blocked:
+            for h in hyps:
+                assert repeated_ngrams(h.tokens, n) == 0, (n, h.tokens)
+                assert len(h.tokens) <= 12

@@ -13,9 +13,12 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hard-mode", choices=("argmax", "sample", "expectation"), default=None,
                    help="hard-attention inference: most likely location (default), a sampled "
                         "one, or the expected context")
+    p.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
+                   help="never repeat an N-word sequence within a caption (0: allow)")
 
 
 def decoding_kwargs(args: argparse.Namespace) -> dict:
     """The decoding overrides given on the command line (None: the model's default)."""
     return {"beam_size": args.beam_size, "max_length": args.max_length,
-            "length_penalty": args.length_penalty, "hard_mode": args.hard_mode}
+            "length_penalty": args.length_penalty, "hard_mode": args.hard_mode,
+            "no_repeat_ngram": args.no_repeat_ngram}

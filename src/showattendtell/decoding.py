@@ -24,12 +24,36 @@ class Hypothesis:
     locations: list[int] | None  # hard attention: the location chosen for each word
 
 
-def _banned(vocab_size: int, device, allow_unk: bool) -> torch.Tensor:
+def banned_tokens(vocab_size: int, device, allow_unk: bool = False) -> torch.Tensor:
+    """(V,) True for the tokens no caption may contain: <pad>, <start> (and <unk>)."""
     mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
     mask[[PAD, START]] = True
     if not allow_unk:
         mask[UNK] = True
     return mask
+
+
+def _block_repeats(logp: torch.Tensor, histories: list[list[int]], n: int) -> torch.Tensor:
+    """-inf for every word that would repeat an n-gram already in its row's caption.
+
+    The ``no_repeat_ngram_size`` of Hugging Face's generate, written out here because that
+    function is tied to its own models; histories[r] is row r's caption so far.
+    """
+    if n <= 0:
+        return logp
+    rows, words = [], []
+    for r, hist in enumerate(histories):
+        if len(hist) < n - 1:
+            continue
+        prefix = hist[len(hist) - n + 1:]
+        for i in range(len(hist) - n + 1):
+            if hist[i:i + n - 1] == prefix:
+                rows.append(r)
+                words.append(hist[i + n - 1])
+    if rows:
+        logp = logp.clone()
+        logp[rows, words] = float("-inf")
+    return logp
 
 
 def _mode(decoder: Decoder, hard_mode: str) -> str:
@@ -45,11 +69,15 @@ def greedy_decode(
     max_length: int = 20,
     hard_mode: str = "argmax",
     allow_unk: bool = False,
+    no_repeat_ngram: int = 0,
 ) -> list[list[Hypothesis]]:
-    """The most likely word at each step, for a batch of images (B, L, D)."""
+    """The most likely word at each step, for a batch of images (B, L, D).
+
+    no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption.
+    """
     B = annotations.size(0)
     mode = _mode(decoder, hard_mode)
-    banned = _banned(decoder.vocab_size, annotations.device, allow_unk)
+    banned = banned_tokens(decoder.vocab_size, annotations.device, allow_unk)
     projected = decoder.attention.project_annotations(annotations)
     h, c = decoder.init_state(annotations)
     words = torch.full((B,), START, dtype=torch.long, device=annotations.device)
@@ -64,6 +92,7 @@ def greedy_decode(
             words, h, c, projected[active], annotations[active], mode
         )
         logp = logp.masked_fill(banned, float("-inf"))
+        logp = _block_repeats(logp, [tokens[b] for b in active.tolist()], no_repeat_ngram)
         if t == max_length:  # no room for another word: only <end> may follow
             logp = logp.masked_fill(~end_only, float("-inf"))
         best, words = logp.max(1)
@@ -99,18 +128,20 @@ def beam_search(
     length_penalty: float = 0.0,
     hard_mode: str = "argmax",
     allow_unk: bool = False,
+    no_repeat_ngram: int = 0,
 ) -> list[list[Hypothesis]]:
     """Beam search for a batch of images (B, L, D), all B*K beams stepped together.
 
     A beam that emits <end> among the top K candidates of its image is finished; an image is done
     when it has K finished captions (or at max_length). Hypotheses are ranked by
-    log_prob / len**length_penalty, len counting <end>. Returns the K best per image.
+    log_prob / len**length_penalty, len counting <end>. no_repeat_ngram > 0: no n-gram of that
+    size occurs twice in a caption. Returns the K best per image.
     """
     B, L, D = annotations.shape
     K, dev = beam_size, annotations.device
     V = decoder.vocab_size
     mode = _mode(decoder, hard_mode)
-    banned = _banned(V, dev, allow_unk)
+    banned = banned_tokens(V, dev, allow_unk)
 
     feats = annotations.repeat_interleave(K, 0)  # (B*K, L, D)
     projected = decoder.attention.project_annotations(feats)
@@ -130,6 +161,7 @@ def beam_search(
     for t in range(max_length + 1):
         logp, h, c, alpha, s = decoder.step(words, h, c, projected, feats, mode)
         logp = logp.masked_fill(banned, float("-inf"))
+        logp = _block_repeats(logp, hist_tokens.tolist(), no_repeat_ngram)
         if t == max_length:  # no room for another word: only <end> may follow
             logp[:, torch.arange(V, device=dev) != END] = float("-inf")
         cand = (scores.view(B * K, 1) + logp).view(B, K * V)
@@ -170,3 +202,50 @@ def beam_search(
         hyps = sorted(finished[b], key=lambda hy: hy.score, reverse=True)[:K]
         results.append(hyps)
     return results
+
+
+@dataclass
+class SampledCaptions:
+    """Captions drawn from the model, laid out for a teacher-forced pass over them."""
+
+    captions: torch.Tensor  # (B, T+1): <start> w1 .. wn <end> <pad>.. (<end> absent if cut)
+    lengths: torch.Tensor  # (B,) predicted tokens: n + 1, or n for a caption cut at max_length
+    locations: torch.Tensor | None  # (B, T) the sampled s_t of hard attention (-1: padding)
+
+    def words(self, b: int) -> list[int]:
+        n = int(self.lengths[b])
+        return [w for w in self.captions[b, 1 : n + 1].tolist() if w != END]
+
+
+@torch.no_grad()
+def sample_captions(
+    decoder: Decoder, annotations: torch.Tensor, max_length: int = 20, mode: str = "soft",
+) -> SampledCaptions:
+    """One caption per image, each word (and, for hard attention with mode "sample", each
+    location) drawn from the model, for self-critical training: the caption's log-probability is
+    then recomputed with gradients by a teacher-forced pass (mode "forced" for the locations).
+    <pad>, <start> and <unk> are never drawn, as in decoding. A caption with no <end> after
+    max_length words is cut there, without an <end>: forcing one would put a token the model did
+    not choose, often at a tiny probability, into the gradient."""
+    B, dev = annotations.size(0), annotations.device
+    banned = banned_tokens(decoder.vocab_size, dev, allow_unk=False)
+    projected = decoder.attention.project_annotations(annotations)
+    h, c = decoder.init_state(annotations)
+    words = torch.full((B,), START, dtype=torch.long, device=dev)
+    captions, locations = [words], []
+    ended = torch.zeros(B, dtype=torch.bool, device=dev)
+    for t in range(max_length + 1):
+        logp, h, c, _, s = decoder.step(words, h, c, projected, annotations, mode)
+        logp = logp.masked_fill(banned, float("-inf"))
+        words = torch.multinomial(logp.exp(), 1).squeeze(1)
+        done = ended | ((words != END) if t == max_length else torch.zeros_like(ended))
+        words = words.masked_fill(done, PAD)
+        captions.append(words)
+        if s is not None:
+            locations.append(s.masked_fill(done, -1))
+        ended |= words == END
+        if bool(ended.all()):
+            break
+    caps = torch.stack(captions, 1)
+    lengths = (caps[:, 1:] != PAD).sum(1)
+    return SampledCaptions(caps, lengths, torch.stack(locations, 1) if locations else None)

@@ -94,7 +94,7 @@ class Captioner:
     def caption(self, images: list, **decoding) -> list[CaptionResult]:
         """Caption images (paths, bytes or PIL images) as one batch.
 
-        Keyword overrides: beam_size, max_length, length_penalty, hard_mode.
+        Keyword overrides: beam_size, max_length, length_penalty, hard_mode, no_repeat_ngram.
         """
         batch = torch.stack([self.preprocess(im) for im in images])
         return self.caption_annotations(self.encode(batch), **decoding)

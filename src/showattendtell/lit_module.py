@@ -11,11 +11,17 @@ import torch
 import torch.distributed as dist
 
 from showattendtell.decoder import DecoderConfig
+from showattendtell.decoding import banned_tokens, sample_captions
 from showattendtell.encoder import EncoderConfig
-from showattendtell.losses import hard_attention_loss, soft_attention_loss, update_baseline
-from showattendtell.metrics import score_captions
+from showattendtell.losses import (
+    hard_attention_loss,
+    self_critical_loss,
+    soft_attention_loss,
+    update_baseline,
+)
+from showattendtell.metrics import CiderDReward, score_captions
 from showattendtell.model import CaptionModel, DecodingConfig
-from showattendtell.vocab import Vocabulary
+from showattendtell.vocab import Vocabulary, tokenize
 
 
 @dataclass
@@ -84,6 +90,10 @@ class CaptionModule(L.LightningModule):
         init_from: start training from the decoder weights of another run (a ``.ckpt`` or an
             exported model file with the same vocabulary and encoder), e.g. hard attention from a
             trained soft-attention model. Ignored when resuming with ``--ckpt_path``.
+        self_critical: K >= 2 trains with self-critical sequence training (Rennie et al. 2017)
+            instead of maximum likelihood: K captions sampled per image, rewarded with CIDEr-D;
+            a fine-tuning stage for a model trained with the paper's objective (start it with
+            ``init_from``). 0: maximum likelihood.
     """
 
     def __init__(
@@ -96,6 +106,7 @@ class CaptionModule(L.LightningModule):
         optimizer: OptimizerConfig | None = None,
         val_decoding: DecodingConfig | None = None,
         init_from: str | None = None,
+        self_critical: int = 0,
     ):
         super().__init__()
         # load_from_checkpoint passes the saved hyperparameters back as plain dicts
@@ -108,7 +119,7 @@ class CaptionModule(L.LightningModule):
             "vocab": list(vocab), "encoder": asdict(encoder), "decoder": asdict(decoder),
             "doubly_stochastic": doubly_stochastic, "hard": asdict(self.hard_cfg),
             "optimizer": asdict(self.opt_cfg), "val_decoding": asdict(self.val_decoding),
-            "init_from": init_from,
+            "init_from": init_from, "self_critical": self_critical,
         })
         self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
         self.register_buffer("baseline", torch.zeros(()))  # REINFORCE moving average
@@ -127,6 +138,16 @@ class CaptionModule(L.LightningModule):
                     f"init_from: {self.hparams.init_from} has a different decoder or encoder "
                     f"size than this run: {str(e).splitlines()[-1].strip()}") from None
 
+    def on_fit_start(self) -> None:
+        if self.hparams.get("self_critical"):
+            self.set_reward_references([im.captions
+                                        for im in self.trainer.datamodule.train_set.images])
+
+    def set_reward_references(self, captions: list[list[str]]) -> None:
+        """The references of every training image (by the batches' ``index``) for the reward."""
+        self._train_refs = [[" ".join(tokenize(c)) for c in caps] for caps in captions]
+        self._cider = CiderDReward(self._train_refs)
+
     @property
     def attention(self) -> str:
         return self.model.decoder.config.attention
@@ -144,6 +165,8 @@ class CaptionModule(L.LightningModule):
         a = self.annotations(batch["inputs"])
         B = a.size(0)
         lam = self.hparams.doubly_stochastic
+        if self.training and self.hparams.get("self_critical"):
+            return self.self_critical_terms(a, batch["index"])
         if self.attention == "soft":
             out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
             terms = soft_attention_loss(out, B, lam)
@@ -163,6 +186,34 @@ class CaptionModule(L.LightningModule):
         out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
         terms = soft_attention_loss(out, B, 0.0)
         return terms.loss, {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
+
+    def self_critical_terms(self, a: torch.Tensor, index: torch.Tensor):
+        """Sample K captions per image and reward each with CIDEr-D against its references,
+        less the mean reward of the image's other K-1 samples (the baseline of Luo 2020, "a
+        better variant of self-critical sequence training": no greedy pass, unbiased).
+
+        Dropout is off in both passes, so that the gradient is that of the distribution the
+        captions were drawn from. Hard attention samples its locations as well.
+        """
+        dec, K, cfg = self.model.decoder, int(self.hparams.self_critical), self.val_decoding
+        soft = self.attention == "soft"
+        a = a.repeat_interleave(K, 0)
+        refs = [self._train_refs[i] for i in index.repeat_interleave(K).tolist()]
+        dec.eval()
+        try:
+            sampled = sample_captions(dec, a, cfg.max_length, "soft" if soft else "sample")
+            out = dec(a, sampled.captions, sampled.lengths, mode="soft" if soft else "forced",
+                      locations=sampled.locations)
+        finally:
+            dec.train()
+        itos = self.model.vocab.itos
+        reward = torch.tensor(self._cider(
+            [" ".join(itos[w] for w in sampled.words(b)) for b in range(a.size(0))], refs))
+        per_image = reward.view(-1, K)
+        baseline = ((per_image.sum(1, keepdim=True) - per_image) / (K - 1)).view(-1)
+        banned = banned_tokens(dec.vocab_size, a.device)
+        terms = self_critical_loss(out, a.size(0), reward, baseline, banned)
+        return terms.loss, {"nll": terms.nll, "reward": reward.mean()}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if batch is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -68,3 +68,26 @@ def hard_attention_loss(
 def update_baseline(baseline: float, log_likelihood: torch.Tensor, decay: float = 0.9) -> float:
     """b_k = 0.9 b_{k-1} + 0.1 log p(y | s_k, a), the batch mean of the sampled likelihoods."""
     return decay * baseline + (1.0 - decay) * float(log_likelihood.detach().mean())
+
+
+def self_critical_loss(
+    out: TeacherForcedOutput, batch_size: int, reward: torch.Tensor, baseline: torch.Tensor,
+    banned: torch.Tensor,
+) -> LossTerms:
+    """Self-critical sequence training (Rennie et al. 2017), the REINFORCE gradient
+
+        -(r(w^s) - b) d/dW log p(w^s | a)
+
+    for captions w^s sampled from the model, rewarded (CIDEr-D) against the model's own
+    performance b (here the mean reward of the image's other samples). For hard attention the
+    sampled locations share the reward: log p(w^s, s | a) = log p(w^s | s, a) + log p(s | a).
+
+    The words' probabilities are those the captions were drawn from: renormalised without the
+    ``banned`` tokens (V,). With the full softmax, pushing sampled words down would feed
+    probability to tokens that are never sampled (so never pushed down) until they hold it all.
+    """
+    out = replace(out, logits=out.logits.masked_fill(banned, float("-inf")))
+    ll = caption_log_likelihood(out, batch_size)
+    log_prob = ll if out.location_log_prob is None else ll + out.location_log_prob
+    advantage = (reward - baseline).to(log_prob)
+    return LossTerms(-(advantage * log_prob).mean(), -ll.sum() / out.targets.numel(), ll)

@@ -117,3 +117,42 @@ def score_captions(
         else:
             scores[names] = float(value)
     return scores
+
+
+class CiderDReward:
+    """Per-caption CIDEr-D with the idf of a whole training set: the self-critical reward.
+
+    pycocoevalcap's CiderScorer takes its document frequencies from the references it scores
+    together; self-critical training scores one batch at a time, where that idf would be noise,
+    so (as in Rennie et al. 2017) the frequencies and the log corpus size are those of every
+    training image's references. The n-gram arithmetic is pycocoevalcap's own. ``references``:
+    for each training image, its captions tokenised as `tokenize` does, joined by spaces.
+    """
+
+    def __init__(self, references: list[list[str]]):
+        import numpy as np
+        from pycocoevalcap.cider.cider_scorer import CiderScorer
+
+        class _FrozenIdf(dict):
+            def __missing__(self, ngram):  # unseen n-grams: df 0 (the scorer reads max(1, df))
+                return 0.0
+
+        class _CorpusIdfScorer(CiderScorer):
+            # compute_cider sets ref_len = log(#references scored): keep the corpus's instead
+            ref_len = property(lambda self: corpus_ref_len, lambda self, value: None)
+
+        corpus = CiderScorer()
+        for refs in references:
+            corpus.cook_append(None, refs)
+        corpus.compute_doc_freq()
+        corpus_ref_len = float(np.log(float(len(references))))
+        self._idf = _FrozenIdf(corpus.document_frequency)
+        self._scorer_class = _CorpusIdfScorer
+
+    def __call__(self, candidates: list[str], references: list[list[str]]) -> list[float]:
+        """CIDEr-D of each candidate against its own references (x10, as the toolkit reports)."""
+        scorer = self._scorer_class()
+        scorer.document_frequency = self._idf
+        for cand, refs in zip(candidates, references, strict=True):
+            scorer.cook_append(cand, refs)
+        return [float(s) for s in scorer.compute_cider()]

@@ -21,6 +21,7 @@ class DecodingConfig:
     max_length: int = 20
     length_penalty: float = 0.0
     hard_mode: str = "argmax"  # hard attention at inference: argmax, sample or expectation
+    no_repeat_ngram: int = 0  # > 0: no n-gram of this size twice in a caption
 
 
 class CaptionModel(nn.Module):
@@ -45,9 +46,11 @@ class CaptionModel(nn.Module):
     ) -> list[list[Hypothesis]]:
         """Captions for a batch of annotation grids (B, L, D); beam_size 1 decodes greedily."""
         if decoding.beam_size <= 1:
-            return greedy_decode(self.decoder, annotations, decoding.max_length, decoding.hard_mode)
+            return greedy_decode(self.decoder, annotations, decoding.max_length, decoding.hard_mode,
+                                 no_repeat_ngram=decoding.no_repeat_ngram)
         return beam_search(self.decoder, annotations, decoding.beam_size, decoding.max_length,
-                           decoding.length_penalty, decoding.hard_mode)
+                           decoding.length_penalty, decoding.hard_mode,
+                           no_repeat_ngram=decoding.no_repeat_ngram)
 
     def words(self, hyp: Hypothesis) -> list[str]:
         return [self.vocab.itos[t] for t in hyp.tokens]
