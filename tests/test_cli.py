@@ -150,3 +150,20 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("error:") and "no.safetensors" in err and len(err.splitlines()) == 1
     assert main(["export", str(tmp_path / "none.ckpt"), str(tmp_path / "m.safetensors")]) == 1
     assert "checkpoint not found" in capsys.readouterr().err
+
+
+def test_self_critical_fine_tuning_from_a_trained_run(trained_run, tmp_path, capsys):
+    run, args, _ = trained_run
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        scst = [*args, "--trainer.max_epochs", "1", "--model.self_critical", "2",
+                "--model.init_from", str(run / "checkpoints" / "last.ckpt")]
+        assert main(scst) == 0
+        header = next(Path("runs/tiny").rglob("metrics.csv")).read_text().splitlines()[0]
+        assert "train/reward" in header and "val/cider" in header
+        shutil.rmtree("runs")
+        assert main([*scst, "--model.self_critical", "1"]) == 2
+        assert "self_critical must be 0" in capsys.readouterr().err
+    finally:
+        os.chdir(old)

@@ -135,3 +135,13 @@ def test_self_critical_log_prob_is_that_of_the_sampling_distribution(monkeypatch
     # with advantage 1 the loss is minus the mean log-probability of the sampled captions
     loss = self_critical_loss(out, 16, ones, 0 * ones, banned_tokens(dec.vocab_size, "cpu")).loss
     assert torch.allclose(-loss, sampled_log_prob.mean(), atol=1e-4)
+
+
+def test_self_critical_needs_two_samples_per_image():
+    import pytest
+
+    for k in (1, -2):
+        with pytest.raises(ValueError, match="self_critical must be 0"):
+            CaptionModule(["<pad>", "<start>", "<end>", "<unk>", "a"],
+                          EncoderConfig(backbone="resnet50", weights=None, input_size=64),
+                          DecoderConfig("soft", 8, 8, 8, 0.0), self_critical=k)

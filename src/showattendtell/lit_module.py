@@ -13,6 +13,7 @@ import torch.distributed as dist
 from showattendtell.decoder import DecoderConfig
 from showattendtell.decoding import banned_tokens, sample_captions
 from showattendtell.encoder import EncoderConfig
+from showattendtell.errors import UserError
 from showattendtell.losses import (
     hard_attention_loss,
     self_critical_loss,
@@ -22,6 +23,12 @@ from showattendtell.losses import (
 from showattendtell.metrics import CiderDReward, score_captions
 from showattendtell.model import CaptionModel, DecodingConfig
 from showattendtell.vocab import Vocabulary, tokenize
+
+
+class TrainingConfigError(UserError, ValueError):
+    """A training setting out of range; `sat train` prints the message, not a traceback."""
+
+    exit_code = 2
 
 
 @dataclass
@@ -109,6 +116,10 @@ class CaptionModule(L.LightningModule):
         self_critical: int = 0,
     ):
         super().__init__()
+        if self_critical == 1 or self_critical < 0:
+            raise TrainingConfigError(
+                "model.self_critical must be 0 (maximum likelihood) or K >= 2 (captions sampled "
+                f"per image; each one's baseline is the others' mean reward), not {self_critical}")
         # load_from_checkpoint passes the saved hyperparameters back as plain dicts
         encoder = _as(EncoderConfig, encoder)
         decoder = _as(DecoderConfig, decoder)
