@@ -1,5 +1,6 @@
 """Self-critical sequence training: the CIDEr-D reward, the sampler and learning from them."""
 
+import pytest
 import torch
 from synthetic import make_dataset
 from test_learning import encode_captions
@@ -9,7 +10,7 @@ from showattendtell.decoding import END, PAD, START, UNK, sample_captions
 from showattendtell.encoder import EncoderConfig
 from showattendtell.lit_module import CaptionModule
 from showattendtell.losses import soft_attention_loss
-from showattendtell.metrics import CiderDReward
+from showattendtell.metrics import CiderDReward, MeteorReward, java_available
 from showattendtell.model import DecodingConfig
 from showattendtell.vocab import Vocabulary
 
@@ -17,6 +18,8 @@ REFS = [["a dog runs on the grass", "a brown dog running", "the dog plays outsid
         ["a man rides a bike", "a cyclist on a road", "man riding a bicycle down the street"],
         ["two kids play in water", "children splash in a pool", "kids swimming"]]
 CANDS = ["a dog runs on grass", "a man riding a bike on the road", "kids play in the pool"]
+
+needs_java = pytest.mark.skipif(not java_available(), reason="Java is not installed (METEOR)")
 
 
 def test_cider_reward_is_the_toolkit_cider_with_the_corpus_idf():
@@ -32,7 +35,17 @@ def test_cider_reward_is_the_toolkit_cider_with_the_corpus_idf():
     assert abs(alone - official[1]) > 0.1
 
 
-def shapes_module(attention="soft", max_length=6):
+@needs_java
+def test_meteor_reward_scores_each_caption_against_its_own_references():
+    reward = MeteorReward()
+    own = reward(CANDS, REFS)
+    others = reward(CANDS, REFS[1:] + REFS[:1])  # each caption against another image's
+    assert all(0.0 < o <= 1.0 for o in own)
+    assert all(m > n for m, n in zip(own, others, strict=True)), (own, others)
+    assert reward(CANDS[1:2], REFS[1:2]) == own[1:2]  # per caption, not per batch
+
+
+def shapes_module(attention="soft", max_length=6, meteor=0.0):
     feats, captions, _, _ = make_dataset(512, seed=0)
     feats = torch.nn.functional.pad(feats, (0, 2048 - feats.size(2)))  # the encoder's width
     vocab = Vocabulary.build(captions, min_count=1)
@@ -40,6 +53,7 @@ def shapes_module(attention="soft", max_length=6):
     module = CaptionModule(
         vocab.itos, EncoderConfig(backbone="resnet50", weights=None, input_size=64),
         DecoderConfig(attention, 32, 64, 32, dropout=0.0), self_critical=5,
+        self_critical_meteor=meteor,
         val_decoding=DecodingConfig(beam_size=1, max_length=max_length, hard_mode="argmax"))
     return module, feats, captions, vocab
 
@@ -100,7 +114,7 @@ def test_self_critical_training_raises_the_expected_reward():
         idx = torch.randint(0, 512, (16,))
         loss, logs = module.compute_loss({"inputs": feats[idx], "captions": caps[idx],
                                           "lengths": lengths[idx], "index": idx})
-        assert set(logs) == {"nll", "reward"}
+        assert set(logs) == {"nll", "reward", "reward_cider"}
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -137,9 +151,23 @@ def test_self_critical_log_prob_is_that_of_the_sampling_distribution(monkeypatch
     assert torch.allclose(-loss, sampled_log_prob.mean(), atol=1e-4)
 
 
-def test_self_critical_needs_two_samples_per_image():
-    import pytest
+@needs_java
+def test_self_critical_reward_adds_the_weighted_meteor():
+    module, feats, captions, vocab = shapes_module(meteor=2.0)
+    module.set_reward_references([[c] for c in captions])
+    caps, lengths = encode_captions(vocab, captions)
+    idx = torch.arange(8)
+    module.train()
+    _, logs = module.compute_loss({"inputs": feats[idx], "captions": caps[idx],
+                                   "lengths": lengths[idx], "index": idx})
+    assert set(logs) == {"nll", "reward", "reward_cider", "reward_meteor"}
+    assert 0.0 < float(logs["reward_meteor"]) <= 1.0
+    assert torch.isclose(logs["reward"], logs["reward_cider"] + 2.0 * logs["reward_meteor"])
+    with pytest.raises(ValueError, match="self_critical_meteor"):
+        shapes_module(meteor=-1.0)
 
+
+def test_self_critical_needs_two_samples_per_image():
     for k in (1, -2):
         with pytest.raises(ValueError, match="self_critical must be 0"):
             CaptionModule(["<pad>", "<start>", "<end>", "<unk>", "a"],

@@ -20,7 +20,7 @@ from showattendtell.losses import (
     soft_attention_loss,
     update_baseline,
 )
-from showattendtell.metrics import CiderDReward, score_captions
+from showattendtell.metrics import CiderDReward, MeteorReward, score_captions
 from showattendtell.model import CaptionModel, DecodingConfig
 from showattendtell.vocab import Vocabulary, tokenize
 
@@ -101,6 +101,8 @@ class CaptionModule(L.LightningModule):
             instead of maximum likelihood: K captions sampled per image, rewarded with CIDEr-D;
             a fine-tuning stage for a model trained with the paper's objective (start it with
             ``init_from``). 0: maximum likelihood.
+        self_critical_meteor: w, the self-critical reward is CIDEr-D + w * METEOR (per caption,
+            official METEOR; needs Java). 0: CIDEr-D alone, which shortens the captions.
     """
 
     def __init__(
@@ -114,12 +116,16 @@ class CaptionModule(L.LightningModule):
         val_decoding: DecodingConfig | None = None,
         init_from: str | None = None,
         self_critical: int = 0,
+        self_critical_meteor: float = 0.0,
     ):
         super().__init__()
         if self_critical == 1 or self_critical < 0:
             raise TrainingConfigError(
                 "model.self_critical must be 0 (maximum likelihood) or K >= 2 (captions sampled "
                 f"per image; each one's baseline is the others' mean reward), not {self_critical}")
+        if self_critical_meteor < 0:
+            raise TrainingConfigError("model.self_critical_meteor is the weight of METEOR in the "
+                                      f"reward: 0 or more, not {self_critical_meteor}")
         # load_from_checkpoint passes the saved hyperparameters back as plain dicts
         encoder = _as(EncoderConfig, encoder)
         decoder = _as(DecoderConfig, decoder)
@@ -131,6 +137,7 @@ class CaptionModule(L.LightningModule):
             "doubly_stochastic": doubly_stochastic, "hard": asdict(self.hard_cfg),
             "optimizer": asdict(self.opt_cfg), "val_decoding": asdict(self.val_decoding),
             "init_from": init_from, "self_critical": self_critical,
+            "self_critical_meteor": self_critical_meteor,
         })
         self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
         self.register_buffer("baseline", torch.zeros(()))  # REINFORCE moving average
@@ -158,6 +165,7 @@ class CaptionModule(L.LightningModule):
         """The references of every training image (by the batches' ``index``) for the reward."""
         self._train_refs = [[" ".join(tokenize(c)) for c in caps] for caps in captions]
         self._cider = CiderDReward(self._train_refs)
+        self._meteor = MeteorReward() if self.hparams.get("self_critical_meteor") else None
 
     @property
     def attention(self) -> str:
@@ -199,9 +207,9 @@ class CaptionModule(L.LightningModule):
         return terms.loss, {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
 
     def self_critical_terms(self, a: torch.Tensor, index: torch.Tensor):
-        """Sample K captions per image and reward each with CIDEr-D against its references,
-        less the mean reward of the image's other K-1 samples (the baseline of Luo 2020, "a
-        better variant of self-critical sequence training": no greedy pass, unbiased).
+        """Sample K captions per image and reward each with CIDEr-D (+ w * METEOR) against its
+        references, less the mean reward of the image's other K-1 samples (the baseline of Luo
+        2020, "a better variant of self-critical sequence training": no greedy pass, unbiased).
 
         Dropout is off in both passes, so that the gradient is that of the distribution the
         captions were drawn from. Hard attention samples its locations as well.
@@ -218,13 +226,18 @@ class CaptionModule(L.LightningModule):
         finally:
             dec.train()
         itos = self.model.vocab.itos
-        reward = torch.tensor(self._cider(
-            [" ".join(itos[w] for w in sampled.words(b)) for b in range(a.size(0))], refs))
+        captions = [" ".join(itos[w] for w in sampled.words(b)) for b in range(a.size(0))]
+        reward = torch.tensor(self._cider(captions, refs))
+        logs = {"reward_cider": reward.mean()}
+        if self._meteor is not None:
+            meteor = torch.tensor(self._meteor(captions, refs))
+            reward = reward + self.hparams.self_critical_meteor * meteor
+            logs["reward_meteor"] = meteor.mean()
         per_image = reward.view(-1, K)
         baseline = ((per_image.sum(1, keepdim=True) - per_image) / (K - 1)).view(-1)
         banned = banned_tokens(dec.vocab_size, a.device)
         terms = self_critical_loss(out, a.size(0), reward, baseline, banned)
-        return terms.loss, {"nll": terms.nll, "reward": reward.mean()}
+        return terms.loss, {"nll": terms.nll, "reward": reward.mean(), **logs}
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if batch is None:

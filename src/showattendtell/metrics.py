@@ -156,3 +156,25 @@ class CiderDReward:
         for cand, refs in zip(candidates, references, strict=True):
             scorer.cook_append(cand, refs)
         return [float(s) for s in scorer.compute_cider()]
+
+
+class MeteorReward:
+    """Per-caption METEOR (the official Java scorer, one process per training run): a reward term
+    for self-critical training. CIDEr-D alone rewards a few rare, correct n-grams and drifts to
+    short captions; METEOR's recall-weighted unigram matching (with stems and synonyms) pulls
+    back toward captions that say all the references say."""
+
+    def __init__(self):
+        if not java_available():
+            raise MetricsError("a METEOR reward needs Java: install a Java runtime (e.g. "
+                               "`apt-get install default-jre-headless`) or set its weight to 0")
+
+    def __call__(self, candidates: list[str], references: list[list[str]]) -> list[float]:
+        gts = {i: refs for i, refs in enumerate(references)}
+        res = {i: [cand] for i, cand in enumerate(candidates)}
+        try:
+            _, scores = meteor_scorer().compute_score(gts, res)
+        except (OSError, ValueError) as e:
+            meteor_scorer.cache_clear()
+            raise MetricsError(f"the METEOR scorer failed: {e}") from e
+        return [float(s) for s in scores]
