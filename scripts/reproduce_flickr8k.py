@@ -3,6 +3,7 @@
     python scripts/reproduce_flickr8k.py                       # everything, from scratch
     python scripts/reproduce_flickr8k.py --skip-train \\
         --models src/showattendtell/bundled/*.safetensors      # only score given model files
+    python scripts/reproduce_flickr8k.py --dry-run             # print the training commands
 
 Each step is a plain `sat` command (printed before it runs), so any of them can be re-run by
 hand. Training resumes from `last.ckpt` when a run folder already has one; the feature cache is
@@ -21,11 +22,25 @@ from pathlib import Path
 
 import yaml
 
-CONFIGS = ("configs/flickr8k_lite2_soft.yaml", "configs/flickr8k_lite2_hard.yaml")
-# Decoding defaults stored in the exported files (the bundled ones were exported with these):
-# beam 3 for speed; the hard model uses the expected context at test time, as the authors'
-# released sampler does (see inference_modes).
-EXPORT_DECODING = {"flickr8k_lite2_hard": ["--hard-mode", "expectation"]}
+# The bundled models' recipe, one stage per training config: (config, the model file its run is
+# exported to, which checkpoint, export options). Each stage's config starts from the model file
+# of the stage before it (model.init_from). The fine-tuning stages are exported as WiSE-FT
+# interpolations with the model they started from (`sat export --interpolate`; the model card
+# gives the measured alphas). Every export stores beam 3 as the default decoding; the hard model
+# uses the expected context at test time, as the authors' released sampler does (see
+# inference_modes).
+STAGES = (
+    # soft attention, maximum likelihood, 9 epochs: the best epoch by dev CIDEr
+    ("configs/flickr8k_lite2_soft.yaml", "flickr8k_lite2_soft_mle", "best", []),
+    # soft attention, self-critical (CIDEr-D + 5 METEOR), 188 steps
+    ("configs/flickr8k_lite2_soft_scst.yaml", "flickr8k_lite2_soft", "last",
+     ["--interpolate", "models/flickr8k_lite2_soft_mle.safetensors", "--alpha", "0.4"]),
+    # hard attention, one REINFORCE epoch from the soft model
+    ("configs/flickr8k_lite2_hard.yaml", "flickr8k_lite2_hard", "last",
+     ["--hard-mode", "expectation",
+      "--interpolate", "models/flickr8k_lite2_soft.safetensors", "--alpha", "0.5"]),
+)
+SCORED = ("flickr8k_lite2_soft", "flickr8k_lite2_hard")  # the models of the table
 BEAMS = (1, 3, 5)
 METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr")
 # Xu et al. 2015, Table 1, Flickr8k test split
@@ -37,28 +52,35 @@ PAPER = {
 }
 
 
+DRY_RUN = False
+
+
 def sat(*args: str) -> str:
     """Run `sat ARGS`, streaming its stderr; return its stdout. Stops the script on failure."""
     cmd = [sys.executable, "-m", "showattendtell.cli", *args]
     print("+ sat " + " ".join(args), file=sys.stderr, flush=True)
+    if DRY_RUN:
+        return ""
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode:
         sys.exit(f"step failed (exit {done.returncode}): sat {' '.join(args)}")
     return done.stdout
 
 
-def train_and_export(config: str, extra: list[str]) -> Path:
-    """Features (cached), training (resumed if interrupted), export of the best checkpoint."""
+def train_and_export(config: str, name: str, which: str, export: list[str],
+                     extra: list[str]) -> Path:
+    """Features (cached), training (resumed if interrupted), export of the ``which`` checkpoint
+    (best by dev CIDEr, or last) to models/NAME.safetensors."""
     run_dir = Path(yaml.safe_load(Path(config).read_text())["trainer"]["default_root_dir"])
     sat("features", "--config", config, *extra)
     last = run_dir / "checkpoints" / "last.ckpt"
     sat("train", "--config", config, *extra, *(["--ckpt_path", str(last)] if last.exists() else []))
-    best = sorted((run_dir / "checkpoints").glob("best-*.ckpt"))
-    if not best:
-        sys.exit(f"no best-*.ckpt in {run_dir / 'checkpoints'}: did training run?")
-    model = Path("models") / f"{Path(config).stem}.safetensors"
-    sat("export", str(best[-1]), str(model), "--half", "--beam-size", "3",
-        *EXPORT_DECODING.get(model.stem, []))
+    ckpts = sorted((run_dir / "checkpoints").glob("best-*.ckpt")) if which == "best" else [last]
+    if not DRY_RUN and not (ckpts and ckpts[-1].exists()):
+        sys.exit(f"no {which} checkpoint in {run_dir / 'checkpoints'}: did training run?")
+    ckpt = ckpts[-1] if ckpts else run_dir / "checkpoints" / f"{which}-*.ckpt"
+    model = Path("models") / f"{name}.safetensors"
+    sat("export", str(ckpt), str(model), "--half", "--beam-size", "3", *export)
     return model
 
 
@@ -104,7 +126,6 @@ def table(rows: dict[str, dict[str, float]], columns: tuple[str, ...]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), help="training configs")
     p.add_argument("--models", nargs="+", default=None,
                    help="with --skip-train: the model files to score")
     p.add_argument("--skip-train", action="store_true", help="score --models only")
@@ -114,15 +135,22 @@ def main() -> None:
     p.add_argument("--coco-root", default="../shared/data/coco2017_val_subset",
                    help="COCO folder for the out-of-domain check ('' to skip)")
     p.add_argument("--beams", type=int, nargs="+", default=list(BEAMS))
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the sat commands of the training stages without running them")
     p.add_argument("train_args", nargs="*", help="extra `sat train` overrides, after --")
     args = p.parse_args()
+    global DRY_RUN
+    DRY_RUN = args.dry_run
 
     if args.skip_train:
         if not args.models:
             p.error("--skip-train needs --models")
         models = [Path(m) for m in args.models]
     else:
-        models = [train_and_export(c, args.train_args) for c in args.configs]
+        trained = [train_and_export(*stage, args.train_args) for stage in STAGES]
+        if DRY_RUN:
+            return
+        models = [m for m in trained if m.stem in SCORED]
 
     modes = {model: inference_modes(model) for model in models}
     scores: dict[str, dict[str, float]] = {}
@@ -140,8 +168,7 @@ def main() -> None:
         coco_rows = {}
         for model in models:
             for mode in modes[model]:
-                best_beam = max(args.beams,
-                                key=lambda b: scores[row_name(model, b, mode)]["Bleu_4"])
+                best_beam = 3 if 3 in args.beams else args.beams[0]  # the models' default
                 s = evaluate(model, "coco", args.coco_root, "val", best_beam, mode)
                 scores[f"COCO subset: {row_name(model, best_beam, mode)}"] = s
                 coco_rows[row_name(model, best_beam, mode)] = {k: 100 * v for k, v in s.items()}

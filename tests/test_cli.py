@@ -162,8 +162,35 @@ def test_self_critical_fine_tuning_from_a_trained_run(trained_run, tmp_path, cap
         assert main(scst) == 0
         header = next(Path("runs/tiny").rglob("metrics.csv")).read_text().splitlines()[0]
         assert "train/reward" in header and "val/cider" in header
+        _check_interpolated_export(run / "checkpoints" / "last.ckpt",
+                                   Path("runs/tiny/checkpoints/last.ckpt"), capsys)
         shutil.rmtree("runs")
         assert main([*scst, "--model.self_critical", "1"]) == 2
         assert "self_critical must be 0" in capsys.readouterr().err
     finally:
         os.chdir(old)
+
+
+def _check_interpolated_export(start_ckpt: Path, tuned_ckpt: Path, capsys) -> None:
+    """`sat export --interpolate START --alpha A` writes A * tuned + (1 - A) * START."""
+    from showattendtell.model_file import read_model
+
+    assert main(["export", str(start_ckpt), "start.safetensors"]) == 0
+    assert main(["export", str(tuned_ckpt), "tuned.safetensors"]) == 0
+    assert main(["export", str(tuned_ckpt), "mix.safetensors", "--interpolate",
+                 "start.safetensors", "--alpha", "0.25"]) == 0
+    start, tuned, mix = (read_model(f"{n}.safetensors")[0].state_dict()
+                         for n in ("start", "tuned", "mix"))
+    moved = 0
+    for k, v in mix.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, 0.25 * tuned[k] + 0.75 * start[k])
+            moved += not torch.equal(tuned[k], start[k])
+    assert moved > 0  # self-critical training changed the decoder
+    assert read_model("mix.safetensors")[2]["alpha"] == 0.25
+    capsys.readouterr()
+    assert main(["export", str(tuned_ckpt), "bad.safetensors", "--interpolate",
+                 "start.safetensors", "--alpha", "1.5"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot interpolate") and len(err.splitlines()) == 1
+    assert not Path("bad.safetensors").exists()

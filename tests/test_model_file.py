@@ -36,6 +36,24 @@ def test_half_precision_file_is_smaller_and_captions_alike(tiny_model_file, tmp_
     assert sum(x.caption == y.caption for x, y in zip(a, b, strict=True)) >= 5
 
 
+def test_interpolation_needs_the_same_vocabulary_and_architecture(tiny_model_file):
+    from showattendtell.vocab import Vocabulary
+
+    model, _, _ = read_model(tiny_model_file)
+    other, _, _ = read_model(tiny_model_file)
+    with torch.no_grad():
+        for p in other.decoder.parameters():
+            p.add_(1.0)
+    w = model.decoder.out_vocab.weight.clone()
+    model.interpolate_(other, 0.5)
+    torch.testing.assert_close(model.decoder.out_vocab.weight, w + 0.5)
+    other.vocab = Vocabulary([*other.vocab.itos[:-1], "zebra"])
+    with pytest.raises(ValueError, match="different vocabularies"):
+        model.interpolate_(other, 0.5)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        model.interpolate_(model, -0.1)
+
+
 def test_file_carries_its_configuration(tiny_model_file):
     from safetensors import safe_open
 

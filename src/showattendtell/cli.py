@@ -38,6 +38,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         ) from None
     decoding = DecodingConfig(**{k: v for k, v in decoding_kwargs(args).items() if v is not None})
     info = {"checkpoint": str(args.checkpoint), "epoch": module.current_epoch}
+    if args.interpolate:
+        from showattendtell.model_file import read_model
+
+        start, _, _ = read_model(args.interpolate)
+        try:
+            module.model.interpolate_(start, args.alpha)
+        except ValueError as e:
+            raise ModelFileError(f"cannot interpolate {args.checkpoint} with "
+                                 f"{args.interpolate}: {e}") from None
+        info.update(interpolated_with=str(args.interpolate), alpha=args.alpha)
     path = save_model(module.model, args.output, decoding, half=args.half, info=info)
     print(f"wrote {path}")
     return 0
@@ -56,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="Lightning .ckpt written by sat train")
     p.add_argument("output", help="model file to write (.safetensors)")
     p.add_argument("--half", action="store_true", help="store weights as float16")
+    p.add_argument("--interpolate", metavar="MODEL", default=None,
+                   help="export alpha * checkpoint + (1 - alpha) * MODEL (WiSE-FT: a fine-tuned "
+                        "checkpoint moved back toward the model file it started from)")
+    p.add_argument("--alpha", type=float, default=0.5,
+                   help="the checkpoint's weight with --interpolate (default 0.5)")
     add_decoding_args(p)
     p.set_defaults(func=cmd_export)
     for name in COMMAND_MODULES:

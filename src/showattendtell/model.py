@@ -52,5 +52,23 @@ class CaptionModel(nn.Module):
                            decoding.length_penalty, decoding.hard_mode,
                            no_repeat_ngram=decoding.no_repeat_ngram)
 
+    @torch.no_grad()
+    def interpolate_(self, other: CaptionModel, alpha: float) -> CaptionModel:
+        """Weights <- alpha * self + (1 - alpha) * other, in place: WiSE-FT (Wortsman et al.
+        2022), a fine-tuned model moved back toward the model it was fine-tuned from; on
+        Flickr8k the self-critical model interpolated with its start scores above both (see the
+        model card). ``other`` must have the same vocabulary and architecture."""
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"the interpolation weight must be in [0, 1], not {alpha}")
+        if list(other.vocab.itos) != list(self.vocab.itos):
+            raise ValueError("the models have different vocabularies")
+        theirs = other.state_dict()
+        for k, v in self.state_dict().items():
+            if k not in theirs or theirs[k].shape != v.shape:
+                raise ValueError(f"the models have different architectures ({k})")
+            if v.is_floating_point():
+                v.mul_(alpha).add_(theirs[k].to(v), alpha=1.0 - alpha)
+        return self
+
     def words(self, hyp: Hypothesis) -> list[str]:
         return [self.vocab.itos[t] for t in hyp.tokens]

@@ -1,0 +1,33 @@
+"""scripts/reproduce_flickr8k.py: its stages chain the configs the way the model card says."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_each_stage_starts_from_the_model_the_stage_before_exported():
+    done = subprocess.run([sys.executable, "scripts/reproduce_flickr8k.py", "--dry-run"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    commands = [line[2:].split() for line in done.stderr.splitlines() if line.startswith("+ sat")]
+    trains = [c[c.index("--config") + 1] for c in commands if c[1] == "train"]
+    exports = [c for c in commands if c[1] == "export"]
+    assert trains == ["configs/flickr8k_lite2_soft.yaml", "configs/flickr8k_lite2_soft_scst.yaml",
+                      "configs/flickr8k_lite2_hard.yaml"]
+    assert [e[3] for e in exports] == ["models/flickr8k_lite2_soft_mle.safetensors",
+                                       "models/flickr8k_lite2_soft.safetensors",
+                                       "models/flickr8k_lite2_hard.safetensors"]
+    previous = None
+    for config, export in zip(trains, exports, strict=True):
+        cfg = yaml.safe_load((ROOT / config).read_text())
+        assert cfg["model"].get("init_from") == previous, config
+        run_dir = cfg["trainer"]["default_root_dir"]
+        assert export[2].startswith(f"{run_dir}/checkpoints/"), (config, export)
+        if previous:  # a fine-tuning stage: exported as an interpolation with its start
+            assert export[export.index("--interpolate") + 1] == previous
+        previous = export[3]
+    assert exports[-1][exports[-1].index("--hard-mode") + 1] == "expectation"
