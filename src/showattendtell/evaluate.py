@@ -62,16 +62,13 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from showattendtell.data.datasets import load_split
-    from showattendtell.metrics import MetricsError, java_available, score_captions
+    from showattendtell.metrics import require_java, score_captions
 
     if args.batch_size < 1 or args.num_workers < 0 or (args.limit is not None and args.limit < 1):
         raise EvaluateError("--batch-size and --limit must be positive, --num-workers >= 0")
-    if not java_available():  # say so before spending minutes on captioning
-        raise MetricsError(
-            "sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer and "
-            "METEOR need Java: install a Java runtime (e.g. `apt-get install "
-            "default-jre-headless`) and try again"
-        )
+    # say so before spending minutes on captioning
+    require_java("sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer "
+                 "and METEOR need Java")
     split = load_split(args.dataset, args.root, args.split)
     split.require_images()
     images = split.images[: args.limit] if args.limit else split.images

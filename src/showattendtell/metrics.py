@@ -32,6 +32,13 @@ def java_available() -> bool:
     return shutil.which("java") is not None
 
 
+def require_java(what: str, otherwise: str = "and try again") -> None:
+    """Raise MetricsError "WHAT: install a Java runtime (...) OTHERWISE" when there is no Java."""
+    if not java_available():
+        raise MetricsError(f"{what}: install a Java runtime (e.g. `apt-get install "
+                           f"default-jre-headless`) {otherwise}")
+
+
 def spice_available() -> bool:
     """SPICE needs Stanford CoreNLP 3.6.0 and its models jar next to spice-1.0.jar.
 
@@ -76,11 +83,7 @@ def score_captions(
         raise ValueError("no captions to score")
     keys = list(predictions)
     if official:
-        if not java_available():
-            raise MetricsError(
-                "the official COCO metrics (PTB tokenizer, METEOR) need Java: install a Java "
-                "runtime (e.g. `apt-get install default-jre-headless`) and try again"
-            )
+        require_java("the official COCO metrics (PTB tokenizer, METEOR) need Java")
         res = _ptb_tokenize({k: [predictions[k]] for k in keys})
         gts = _ptb_tokenize({k: references[k] for k in keys})
     else:
@@ -165,9 +168,7 @@ class MeteorReward:
     back toward captions that say all the references say."""
 
     def __init__(self):
-        if not java_available():
-            raise MetricsError("a METEOR reward needs Java: install a Java runtime (e.g. "
-                               "`apt-get install default-jre-headless`) or set its weight to 0")
+        require_java("a METEOR reward needs Java", otherwise="or set its weight to 0")
 
     def __call__(self, candidates: list[str], references: list[list[str]]) -> list[float]:
         gts = {i: refs for i, refs in enumerate(references)}

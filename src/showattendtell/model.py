@@ -62,10 +62,11 @@ class CaptionModel(nn.Module):
             raise ValueError(f"the interpolation weight must be in [0, 1], not {alpha}")
         if list(other.vocab.itos) != list(self.vocab.itos):
             raise ValueError("the models have different vocabularies")
-        theirs = other.state_dict()
-        for k, v in self.state_dict().items():
+        ours, theirs = self.state_dict(), other.state_dict()
+        for k, v in ours.items():  # check everything before changing anything
             if k not in theirs or theirs[k].shape != v.shape:
                 raise ValueError(f"the models have different architectures ({k})")
+        for k, v in ours.items():
             if v.is_floating_point():
                 v.mul_(alpha).add_(theirs[k].to(v), alpha=1.0 - alpha)
         return self
