@@ -26,15 +26,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from showattendtell.catalog import bundled_models, default_model_path
 from showattendtell.errors import UserError
 from showattendtell.images import IMAGE_SUFFIXES, ImageError, open_image, preprocess
-from showattendtell.inference import (
-    Captioner,
-    CaptionResult,
-    bundled_models,
-    default_model_path,
-    load_model,
-)
+from showattendtell.inference import Captioner, CaptionResult, load_model
 from showattendtell.overlay import (
     caption_sheet,
     colour_bar,

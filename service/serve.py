@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a server
-    from service.app import find_examples, launch, load_service
+    from showattendtell.service.app import find_examples, launch, load_service
 
     if args.max_upload_mb <= 0:
         raise ServeError("--max-upload-mb must be positive")

@@ -7,7 +7,8 @@ import pytest
 import torch
 from synthetic import make_example
 
-from showattendtell.inference import DEFAULT_BUNDLED, bundled_models, load_model
+from showattendtell.catalog import DEFAULT_BUNDLED, bundled_models
+from showattendtell.inference import load_model
 from showattendtell.model_file import ModelFileError, read_model, save_model
 
 

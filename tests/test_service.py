@@ -20,7 +20,7 @@ from PIL import Image
 from showattendtell.images import ImageError
 
 gr = pytest.importorskip("gradio")
-from service.app import (  # noqa: E402
+from showattendtell.service.app import (  # noqa: E402
     CaptionService,
     api_caption,
     caption_image,
@@ -78,7 +78,7 @@ def test_serve_cli_defaults_are_safe():
 
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.device) == ("127.0.0.1", 7860, "auto")
-    assert args.max_upload_mb > 0 and args.func.__module__ == "service.serve"
+    assert args.max_upload_mb > 0 and args.func.__module__ == "showattendtell.service.serve"
 
 
 @needs_coco_subset

@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HARD_INFERENCE_MODES = ("argmax", "sample", "expectation")
-
 
 class AdditiveAttention(nn.Module):
     def __init__(self, feature_dim: int, attention_dim: int):

@@ -11,25 +11,27 @@ The top of this module stays import-light (no torch): the CLI imports it to buil
 from __future__ import annotations
 
 import argparse
-import csv
-import io
-import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
-from showattendtell.cli_common import add_decoding_args, decoding_kwargs
+from showattendtell.caption_output import (
+    FORMATS,
+    OutputError,
+    Record,
+    ResumePoint,
+    Writer,
+    open_output,
+    prepare_folder,
+    scan_output,
+)
+from showattendtell.cli_common import add_decoding_args, decoding_overrides
 from showattendtell.errors import UserError
 
 if TYPE_CHECKING:
-
     from showattendtell.inference import Captioner, CaptionResult
-
-FORMATS = ("jsonl", "csv")
-CSV_FIELDS = ("path", "caption", "score", "log_prob", "error")
 
 
 class UsageError(UserError):
@@ -70,25 +72,14 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the network (default: torch's, one per core); 1 can be "
                         "much faster on a machine busy with other work")
-    p.add_argument("--model", default=None, help="model file (default: the bundled model)")
+    p.add_argument("--model", default=None,
+                   help="model file or name (`sat models`; default: the bundled model)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     add_decoding_args(p)
     p.set_defaults(func=run)
 
 
-# --------------------------------------------------------------------------- loading images
-
-
 # --------------------------------------------------------------------------- captioning
-
-
-@dataclass
-class Record:
-    """One output line: a caption result or an error, for the image at ``path``."""
-
-    path: str
-    result: CaptionResult | None = None
-    error: str | None = None
 
 
 def caption_files(captioner: Captioner, paths: list[str], batch_size: int = 16,
@@ -112,93 +103,12 @@ def caption_files(captioner: Captioner, paths: list[str], batch_size: int = 16,
             if item.error is not None:
                 yield Record(item.path, error=item.error)
             else:
-                yield Record(item.path, result=next(it))
+                result = next(it)
+                result.warning = item.warning
+                yield Record(item.path, result=result)
 
 
-# --------------------------------------------------------------------------- output
-
-
-def record_dict(rec: Record, with_attention: bool) -> dict:
-    if rec.result is None:
-        return {"path": rec.path, "error": rec.error}
-    return {"path": rec.path, **rec.result.to_dict(with_attention)}
-
-
-class Writer:
-    """Writes complete lines, each with a single write followed by a flush.
-
-    A kill between writes leaves whole lines only; a line is never split over two writes
-    (short writes of a regular file are retried until the line is out).
-    """
-
-    def __init__(self, fmt: str, with_attention: bool, stream: IO[bytes] | None = None):
-        self.fmt, self.with_attention, self.stream = fmt, with_attention, stream
-
-    def header(self) -> None:
-        if self.fmt == "csv":
-            fields = CSV_FIELDS + (("attention", "locations") if self.with_attention else ())
-            self._write(self._csv_line(list(fields)))
-
-    def write(self, rec: Record) -> None:
-        d = record_dict(rec, self.with_attention)
-        if self.fmt == "jsonl":
-            line = json.dumps(d, ensure_ascii=False) + "\n"
-        else:
-            row = [d["path"], d.get("caption", ""), d.get("score", ""), d.get("log_prob", ""),
-                   d.get("error", "")]
-            if self.with_attention:
-                row += [json.dumps(d["attention"]) if "attention" in d else "",
-                        json.dumps(d["locations"]) if "locations" in d else ""]
-            line = self._csv_line(row)
-        self._write(line)
-
-    @staticmethod
-    def _csv_line(row: list) -> str:
-        buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerow(row)
-        return buf.getvalue()
-
-    def _write(self, line: str) -> None:
-        data = line.encode("utf-8", "surrogateescape")  # undecodable file names round-trip
-        if self.stream is None:  # standard output: looked up now (a progress bar may wrap it)
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            return
-        view = memoryview(data)
-        while view:
-            n = self.stream.write(view)
-            view = view[n:]
-        self.stream.flush()
-
-
-def read_done(path: Path, fmt: str) -> set[str]:
-    """Paths already in an output file; first drops a truncated last line left by a kill."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return set()
-    with open(path, "r+b") as f:
-        data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):  # killed mid-line (not by us: we write whole lines) - drop it
-            f.truncate(end)
-            data = data[:end]
-    text = data.decode("utf-8", "surrogateescape")
-    done: set[str] = set()
-    if fmt == "jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                done.add(json.loads(line)["path"])
-            except (ValueError, KeyError, TypeError):
-                raise UsageError(f"--resume: {path} line {n} is not a `sat caption` JSON line; "
-                                 "is it the right file (or --format csv)?") from None
-    else:
-        rows = list(csv.reader(io.StringIO(text)))
-        if rows and rows[0][:1] != ["path"]:
-            raise UsageError(f"--resume: {path} is not a `sat caption` CSV file (no 'path' "
-                             "header); is it the right file (or --format jsonl)?")
-        done = {r[0] for r in rows[1:] if r}
-    return done
+# --------------------------------------------------------------------------- overlays
 
 
 def overlay_name(path: str) -> str:
@@ -262,8 +172,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--batch-size must be at least 1")
     if args.workers is not None and args.workers < 0:
         raise UsageError("--workers must be 0 or more")
-    if args.beam_size is not None and args.beam_size < 1:
-        raise UsageError("--beam-size must be at least 1")
     if args.output and os.path.isdir(args.output):
         raise UsageError(f"--output {args.output} is a folder; give a file name")
     if args.overlays and os.path.exists(args.overlays) and not os.path.isdir(args.overlays):
@@ -272,16 +180,28 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    decoding = decoding_overrides(args)
     fmt = _format(args)
     paths = _inputs(args)
     out_path = Path(args.output) if args.output else None
-    done = read_done(out_path, fmt) if args.resume and out_path else set()
+    resume: ResumePoint | None = None
+    if args.resume and out_path is not None and out_path.exists():
+        resume = scan_output(out_path, fmt, args.with_attention)  # refuses a foreign file
+    done = resume.done if resume else set()
     todo = [p for p in paths if p not in done]
     skipped = len(paths) - len(todo)
     if not todo:
         print(f"nothing to do: all {len(paths)} images are already in {args.output}",
               file=sys.stderr)
         return 0
+    # every folder is created (or refused) before a model is loaded
+    if out_path is not None:
+        prepare_folder("--output", out_path.parent)
+        if out_path.exists() and not os.access(out_path, os.W_OK):
+            raise OutputError(f"cannot write --output {out_path}: permission denied")
+    overlays = Path(args.overlays) if args.overlays else None
+    if overlays is not None:
+        prepare_folder("--overlays", overlays)
 
     from showattendtell.inference import load_model
 
@@ -292,40 +212,39 @@ def run(args: argparse.Namespace) -> int:
     try:
         captioner = load_model(args.model, args.device)
     except ValueError as e:  # --device cuda without a GPU, an unknown device name
+        if isinstance(e, UserError):
+            raise
         raise UsageError(str(e)) from None
-    overlays = Path(args.overlays) if args.overlays else None
-    if overlays:
-        overlays.mkdir(parents=True, exist_ok=True)
 
-    stream = None
-    if out_path:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        fresh = not (args.resume and out_path.is_file() and out_path.stat().st_size > 0)
-        stream = open(out_path, "ab" if args.resume else "wb", buffering=0)  # noqa: SIM115
-    else:
-        fresh = True
-    writer = Writer(fmt, args.with_attention, stream)
-    return _caption_loop(captioner, todo, args, writer, fresh, overlays, skipped)
+    stream = open_output(out_path, resume if args.resume else None) if out_path else None
+    fields = resume.fields if resume else None
+    writer = Writer(fmt, args.with_attention, stream, fields)
+    fresh = fmt == "csv" and fields is None
+    return _caption_loop(captioner, todo, args, decoding, writer, fresh, overlays, skipped)
 
 
-def _caption_loop(captioner: Captioner, todo: list[str], args: argparse.Namespace, writer: Writer,
-                  fresh: bool, overlays: Path | None, skipped: int) -> int:
+def _caption_loop(captioner: Captioner, todo: list[str], args: argparse.Namespace,
+                  decoding: dict[str, Any], writer: Writer, fresh: bool, overlays: Path | None,
+                  skipped: int) -> int:
     from showattendtell.progress import ProgressBar
 
     ok, failures = 0, []
     show_bar = sys.stderr.isatty() and (writer.stream is not None or sys.stdout.isatty())
     interrupted = False
+    write_error: OSError | None = None
     try:
         if fresh:
             writer.header()
         with ProgressBar(len(todo), "captioning", enabled=show_bar) as advance:
             for rec in caption_files(captioner, todo, args.batch_size, args.workers,
-                                     **decoding_kwargs(args)):
+                                     **decoding):
                 if rec.result is not None and overlays is not None:
                     try:
                         write_overlay(overlays, rec)
                     except Exception as e:  # noqa: BLE001 - the caption is still worth keeping
                         print(f"warning: no overlay for {rec.path}: {e}", file=sys.stderr)
+                if rec.result is not None and rec.result.warning:
+                    print(f"warning: {rec.path}: {rec.result.warning}", file=sys.stderr)
                 writer.write(rec)
                 if rec.result is None:
                     failures.append(rec)
@@ -337,9 +256,20 @@ def _caption_loop(captioner: Captioner, todo: list[str], args: argparse.Namespac
     except BrokenPipeError:  # `sat caption DIR | head`: the reader has gone; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as e:  # a full disk, a vanished network folder: keep what is written
+        write_error = e
     finally:
         if writer.stream is not None:
             writer.stream.close()
+    if write_error is not None:
+        target = args.output or "standard output"
+        print(f"error: cannot write to {target}: {write_error.strerror or write_error}; the "
+              f"{ok + len(failures)} records written before are intact"
+              + (" (free some space and run again with --resume)" if args.output else ""),
+              file=sys.stderr)
+        if not args.output:  # stdout is unusable: keep the interpreter from flushing it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     _summary(ok, failures, skipped, len(todo), interrupted, args.output)
     if interrupted:
         return 130

@@ -3,45 +3,32 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import logging
 import sys
 
-from showattendtell.cli_common import add_decoding_args, decoding_kwargs
+# Modules that add subcommands, each with ``add_parser(sub)``; their top level imports no torch.
+from showattendtell import batch, catalog, download, evaluate
+from showattendtell.cli_common import add_decoding_args, decoding_overrides
 from showattendtell.errors import UserError
+from showattendtell.service import serve
 
-# Modules that add subcommands (imported when present; their top level must not import torch).
-COMMAND_MODULES = (
-    "showattendtell.batch",  # caption
-    "showattendtell.evaluate",  # evaluate
-    "showattendtell.download",  # data
-    "service.serve",  # serve
-)
+COMMAND_MODULES = (batch, evaluate, download, catalog, serve)  # caption, evaluate, data, models,
+# serve; train and features go to LightningCLI (train.py), export is below
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import pickle
-
-    from showattendtell.lit_module import CaptionModule
-    from showattendtell.model import DecodingConfig
+    from showattendtell.decoding import DecodingConfig
+    from showattendtell.lit_module import load_checkpoint
     from showattendtell.model_file import ModelFileError, save_model
 
-    try:
-        module = CaptionModule.load_from_checkpoint(args.checkpoint, map_location="cpu",
-                                                    weights_only=True)
-    except FileNotFoundError:
-        raise ModelFileError(f"checkpoint not found: {args.checkpoint}") from None
-    except (RuntimeError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
-        raise ModelFileError(
-            f"{args.checkpoint} is not a showattendtell checkpoint ({e})"
-        ) from None
-    decoding = DecodingConfig(**{k: v for k, v in decoding_kwargs(args).items() if v is not None})
-    info = {"checkpoint": str(args.checkpoint), "epoch": module.current_epoch}
+    decoding = DecodingConfig().with_overrides(**decoding_overrides(args))
+    module = load_checkpoint(args.checkpoint)
+    info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
     if args.interpolate:
+        from showattendtell.catalog import resolve_model
         from showattendtell.model_file import read_model
 
-        start, _, _ = read_model(args.interpolate)
+        start, _, _ = read_model(resolve_model(args.interpolate))
         try:
             module.model.interpolate_(start, args.alpha)
         except ValueError as e:
@@ -73,9 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the checkpoint's weight with --interpolate (default 0.5)")
     add_decoding_args(p)
     p.set_defaults(func=cmd_export)
-    for name in COMMAND_MODULES:
-        if importlib.util.find_spec(name.split(".")[0]) and importlib.util.find_spec(name):
-            importlib.import_module(name).add_parser(sub)
+    for module in COMMAND_MODULES:
+        module.add_parser(sub)
     return parser
 
 
@@ -99,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             _log_package_to_stderr()
             from showattendtell import train
 
-            (train.train if argv[0] == "train" else train.extract_features)(argv[1:])
-            return 0
+            return (train.train if argv[0] == "train" else train.extract_features)(argv[1:])
         logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
         args = build_parser().parse_args(argv)
         return args.func(args)

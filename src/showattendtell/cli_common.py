@@ -4,21 +4,30 @@ from __future__ import annotations
 
 import argparse
 
+DECODING_OPTIONS = ("beam_size", "max_length", "length_penalty", "hard_mode", "no_repeat_ngram")
+
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--beam-size", type=int, default=None, help="beam width (1: greedy)")
-    p.add_argument("--max-length", type=int, default=None, help="maximum words per caption")
-    p.add_argument("--length-penalty", type=float, default=None,
-                   help="rank beams by log p / length**alpha")
-    p.add_argument("--hard-mode", choices=("argmax", "sample", "expectation"), default=None,
-                   help="hard-attention inference: most likely location (default), a sampled "
-                        "one, or the expected context")
-    p.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
+    """The decoding options; each defaults to the value stored in the model file. Their ranges
+    are checked by ``DecodingConfig`` (decoding.py), the one place for the CLI, API and service."""
+    g = p.add_argument_group("decoding (default: the model file's stored settings; "
+                             "`sat models` lists them)")
+    g.add_argument("--beam-size", type=int, default=None, help="beam width, 1-20 (1: greedy)")
+    g.add_argument("--max-length", type=int, default=None, help="maximum words per caption, 1-100")
+    g.add_argument("--length-penalty", type=float, default=None,
+                   help="rank beams by log p / length**alpha, alpha from 0 to 5")
+    g.add_argument("--hard-mode", default=None, metavar="{argmax,sample,expectation}",
+                   help="hard attention only: attend to the most likely location (argmax), a "
+                        "sampled one (sample), or use the expected context (expectation)")
+    g.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
                    help="never repeat an N-word sequence within a caption (0: allow)")
 
 
-def decoding_kwargs(args: argparse.Namespace) -> dict:
-    """The decoding overrides given on the command line (None: the model's default)."""
-    return {"beam_size": args.beam_size, "max_length": args.max_length,
-            "length_penalty": args.length_penalty, "hard_mode": args.hard_mode,
-            "no_repeat_ngram": args.no_repeat_ngram}
+def decoding_overrides(args: argparse.Namespace) -> dict:
+    """The decoding options given on the command line (None: the model's default), checked now,
+    before a model is loaded: a DecodingError (exit status 2) names the bad one."""
+    from showattendtell.decoding import DecodingConfig
+
+    given = {k: getattr(args, k) for k in DECODING_OPTIONS}
+    DecodingConfig().with_overrides(**given)
+    return given

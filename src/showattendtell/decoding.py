@@ -6,13 +6,81 @@ word (and, for hard attention, the chosen location) and the caption's log-probab
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 import torch
 
 from showattendtell.decoder import Decoder
+from showattendtell.errors import UserError
 
 PAD, START, END, UNK = 0, 1, 2, 3
+
+HARD_MODES = ("argmax", "sample", "expectation")  # hard attention at inference
+MAX_BEAM_SIZE = 20  # beam 500 runs for minutes at 8.6 GB: a limit, not a surprise
+MAX_CAPTION_LENGTH = 100
+MAX_LENGTH_PENALTY = 5.0
+
+
+class DecodingError(UserError, ValueError):
+    """A decoding option out of range; the message names the option and its allowed values."""
+
+    exit_code = 2
+
+
+def _integer(name: str, value: Any, lo: int, hi: int) -> int:
+    """An integer option in [lo, hi]; an integral float (a UI slider's 3.0) counts as one."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(value, float) and value.is_integer():
+        value, ok = int(value), True
+    if not ok or not lo <= value <= hi:
+        raise DecodingError(f"{name} must be a whole number from {lo} to {hi}, not {value!r}")
+    return value
+
+
+@dataclass
+class DecodingConfig:
+    """How captions are generated: stored with a model as its default, overridden per call.
+
+    Every entry point (the CLI, the Python API, the web service, validation during training)
+    builds its settings through this class, so every value is checked here and nowhere else:
+    out of range is a DecodingError (exit status 2 in the CLI), never a silent default.
+    """
+
+    beam_size: int = 3  # 1: greedy
+    max_length: int = 20  # words per caption
+    length_penalty: float = 0.0  # beams ranked by log p / length**length_penalty
+    hard_mode: str = "argmax"  # hard attention at inference: argmax, sample or expectation
+    no_repeat_ngram: int = 0  # > 0: no n-gram of this size twice in a caption
+
+    def __post_init__(self) -> None:
+        self.beam_size = _integer("beam size (--beam-size)", self.beam_size, 1, MAX_BEAM_SIZE)
+        self.max_length = _integer("maximum length (--max-length)", self.max_length, 1,
+                                   MAX_CAPTION_LENGTH)
+        self.no_repeat_ngram = _integer("no-repeat n-gram size (--no-repeat-ngram)",
+                                        self.no_repeat_ngram, 0, MAX_CAPTION_LENGTH)
+        lp = self.length_penalty
+        if (isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp)
+                or not 0 <= lp <= MAX_LENGTH_PENALTY):
+            raise DecodingError(f"length penalty (--length-penalty) must be a number from 0 to "
+                                f"{MAX_LENGTH_PENALTY:g}, not {lp!r}")
+        self.length_penalty = float(lp)
+        if self.hard_mode not in HARD_MODES:
+            raise DecodingError(f"hard-attention mode (--hard-mode) must be one of "
+                                f"{', '.join(HARD_MODES)}, not {self.hard_mode!r}")
+
+    def with_overrides(self, **overrides: Any) -> DecodingConfig:
+        """A copy with the given options changed (None: keep this one's), all checked."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise DecodingError(f"unknown decoding option {unknown[0]!r}; the options are "
+                                f"{', '.join(sorted(known))}")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass

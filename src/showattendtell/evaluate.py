@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from showattendtell.cli_common import add_decoding_args, decoding_kwargs
+from showattendtell.cli_common import add_decoding_args, decoding_overrides
 from showattendtell.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
                     "the official COCO caption toolkit. Prints the scores as one JSON object on "
                     "the last line of standard output.",
     )
-    p.add_argument("--model", default=None, help="model file (default: the bundled model)")
+    p.add_argument("--model", default=None,
+                   help="model file or name (`sat models`; default: the bundled model)")
     p.add_argument("--dataset", required=True, choices=DATASET_CHOICES,
                    help="coco (official files, or Karpathy's split with dataset_coco.json), "
                         "flickr8k (original release files), karpathy (dataset_*.json)")
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1 or args.num_workers < 0 or (args.limit is not None and args.limit < 1):
         raise EvaluateError("--batch-size and --limit must be positive, --num-workers >= 0")
+    decoding = decoding_overrides(args)
     # say so before spending minutes on captioning
     require_java("sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer "
                  "and METEOR need Java")
@@ -74,12 +76,12 @@ def run(args: argparse.Namespace) -> int:
     images = split.images[: args.limit] if args.limit else split.images
     # a partly present split is scored on the images present (the loader warned with the count)
 
-    from showattendtell.inference import load_model
+    from showattendtell.inference import finite_or_none, load_model
 
     captioner = load_model(args.model, args.device)
     t0 = time.perf_counter()
     captions, failed = caption_split(captioner, images, args.batch_size, args.num_workers,
-                                     **decoding_kwargs(args))
+                                     **decoding)
     elapsed = time.perf_counter() - t0
     if not captions:
         raise EvaluateError(f"none of the {len(images)} images of {split.name} could be decoded")
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     references = {k: by_id[k].captions for k in captions}
     scores = score_captions(captions, references, official=True, spice=not args.no_spice)
-    print(json.dumps({k: round(v, 6) for k, v in scores.items()}))
+    print(json.dumps({k: finite_or_none(v, 6) for k, v in scores.items()}, allow_nan=False))
     return 0
 
 

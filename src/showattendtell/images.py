@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,8 @@ from showattendtell.errors import UserError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MAX_PIXELS = 64_000_000  # 8000x8000; larger files are refused before they are decoded
+MIN_SIDE = 32  # smaller photos are captioned, with a warning: there is almost nothing to see
+MAX_ASPECT = 8.0  # the square resize squashes wider (or taller) photos beyond recognition
 
 
 class ImageError(UserError, ValueError):
@@ -86,6 +89,18 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def image_warning(img: Image.Image) -> str | None:
+    """Why a caption of this photo deserves little trust (None: no reason to think so)."""
+    w, h = img.size
+    if min(w, h) < MIN_SIDE:
+        return (f"the image is only {w}x{h} pixels (a side under {MIN_SIDE}): the caption is "
+                "little more than a guess")
+    if max(w, h) / min(w, h) > MAX_ASPECT:
+        return (f"the image is {w}x{h} pixels, an aspect ratio beyond 1:{MAX_ASPECT:g}: it is "
+                "squashed to a square for the model, so the caption may be wrong")
+    return None
+
+
 def preprocess(img: Image.Image, input_size: int) -> torch.Tensor:
     """RGB image -> (3, S, S) float tensor, resized (aspect not kept) and ImageNet-normalised."""
     x = TF.pil_to_tensor(img)
@@ -95,14 +110,30 @@ def preprocess(img: Image.Image, input_size: int) -> torch.Tensor:
 
 
 def list_images(paths: list[str | Path], recursive: bool = False) -> list[Path]:
-    """Image files named directly, or found in folders (sorted), by suffix."""
+    """Image files named directly, or found in folders (sorted), by suffix.
+
+    ``recursive`` follows symbolic links to folders, each real folder once (a link back to a
+    parent is not a loop). Written with os.walk because Path.rglob follows no folder links
+    before Python 3.13.
+    """
     found: list[Path] = []
     for p in map(Path, paths):
-        if p.is_dir():
-            it = p.rglob("*") if recursive else p.iterdir()
-            found += sorted(f for f in it if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
-        else:
+        if not p.is_dir():
             found.append(p)
+            continue
+        if not recursive:
+            files = [f for f in p.iterdir() if f.is_file()]
+        else:
+            files, seen = [], set()
+            for top, dirs, names in os.walk(p, followlinks=True):
+                st = os.stat(top)
+                if (st.st_dev, st.st_ino) in seen:  # reached again through a link
+                    dirs[:] = []
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                dirs.sort()  # the first path to a folder reached twice names it, always the same
+                files += [Path(top, n) for n in names if Path(top, n).is_file()]
+        found += sorted(f for f in files if f.suffix.lower() in IMAGE_SUFFIXES)
     return found
 
 
@@ -117,6 +148,7 @@ class LoadedImage:
     path: str
     tensor: torch.Tensor | None = None
     error: str | None = None  # without the path, which is its own field
+    warning: str | None = None  # see image_warning
 
 
 @dataclass
@@ -147,7 +179,9 @@ class ImageFiles(Dataset):
     def __getitem__(self, i: int) -> LoadedImage:
         path = self.paths[i]
         try:
-            return LoadedImage(i, path, tensor=preprocess(open_image(path), self.input_size))
+            img = open_image(path)
+            return LoadedImage(i, path, tensor=preprocess(img, self.input_size),
+                               warning=image_warning(img))
         except ImageError as e:
             return LoadedImage(i, path, error=_strip_path(str(e), path))
         except Exception as e:  # noqa: BLE001 - a decoder bug on one file must not stop the run

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from showattendtell.images import open_image, preprocess
-from showattendtell.model import CaptionModel, DecodingConfig
-from showattendtell.model_file import ModelFileError, read_model
-
-BUNDLED_DIR = Path(__file__).parent / "bundled"
-DEFAULT_MODEL_ENV = "SAT_MODEL"
-DEFAULT_BUNDLED = "flickr8k_lite2_soft.safetensors"
+from showattendtell.catalog import resolve_model
+from showattendtell.decoding import DecodingConfig
+from showattendtell.images import image_warning, open_image, preprocess
+from showattendtell.model import CaptionModel
+from showattendtell.model_file import read_model
 
 
 @dataclass
@@ -28,15 +26,25 @@ class CaptionResult:
     attention: np.ndarray  # (len(words), grid, grid): where the model looked for each word
     locations: list[tuple[int, int]] | None  # hard attention: (row, col) chosen for each word
     beams: list[tuple[str, float]]  # the top captions of the beam with their scores
+    warning: str | None = None  # e.g. a 1x1 photo: captioned, but the caption is a guess
 
     def to_dict(self, with_attention: bool = False) -> dict:
-        d = {"caption": self.caption, "score": round(self.score, 4),
-             "log_prob": round(self.log_prob, 4), "words": self.words}
+        """The result as strict JSON (no NaN/Infinity: a non-finite score becomes null)."""
+        d = {"caption": self.caption, "score": finite_or_none(self.score, 4),
+             "log_prob": finite_or_none(self.log_prob, 4), "words": self.words}
+        if self.warning:
+            d["warning"] = self.warning
         if with_attention:
             d["attention"] = np.round(self.attention, 5).tolist()
             if self.locations is not None:
                 d["locations"] = [list(x) for x in self.locations]
         return d
+
+
+def finite_or_none(x: float, digits: int) -> float | None:
+    """``x`` rounded, or None when it is NaN or infinite (strict JSON has no such numbers)."""
+    x = float(x)
+    return round(x, digits) if math.isfinite(x) else None
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -74,7 +82,7 @@ class Captioner:
 
     @torch.inference_mode()
     def caption_annotations(self, annotations: torch.Tensor, **decoding) -> list[CaptionResult]:
-        cfg = replace(self.decoding, **{k: v for k, v in decoding.items() if v is not None})
+        cfg = self.decoding.with_overrides(**decoding)
         g = self.model.grid
         results = []
         for hyps in self.model.generate(annotations, cfg):
@@ -96,32 +104,19 @@ class Captioner:
 
         Keyword overrides: beam_size, max_length, length_penalty, hard_mode, no_repeat_ngram.
         """
-        batch = torch.stack([self.preprocess(im) for im in images])
-        return self.caption_annotations(self.encode(batch), **decoding)
-
-
-def bundled_models() -> list[Path]:
-    """Model files installed with the package, the default first."""
-    found = sorted(BUNDLED_DIR.glob("*.safetensors"))
-    return sorted(found, key=lambda p: p.name != DEFAULT_BUNDLED)
-
-
-def default_model_path() -> Path:
-    """$SAT_MODEL, else the bundled default model."""
-    if os.environ.get(DEFAULT_MODEL_ENV):
-        return Path(os.environ[DEFAULT_MODEL_ENV])
-    bundled = bundled_models()
-    if bundled:
-        return bundled[0]
-    raise ModelFileError(
-        "no model given and no bundled model installed: pass --model MODEL.safetensors "
-        f"(or set {DEFAULT_MODEL_ENV})"
-    )
+        self.decoding.with_overrides(**decoding)  # bad options fail before any work
+        decoded = [open_image(im) for im in images]
+        batch = torch.stack([preprocess(im, self.input_size) for im in decoded])
+        results = self.caption_annotations(self.encode(batch), **decoding)
+        for img, result in zip(decoded, results, strict=True):
+            result.warning = image_warning(img)
+        return results
 
 
 def load_model(path: str | Path | None = None, device: str = "auto") -> Captioner:
-    """Load an exported model file (None: the default model) for captioning."""
-    path = Path(path) if path else default_model_path()
+    """Load a model for captioning: a model file, a model's name (`sat models`), or None for
+    the default model ($SAT_MODEL, else the bundled default)."""
+    path = resolve_model(path)
     model, decoding, info = read_model(path)
     return Captioner(model, decoding, device, name=path.stem, info=info)
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from showattendtell.decoder import DecoderConfig
-from showattendtell.decoding import banned_tokens, sample_captions
+from showattendtell.decoding import DecodingConfig, banned_tokens, sample_captions
 from showattendtell.encoder import EncoderConfig
 from showattendtell.errors import UserError
 from showattendtell.losses import (
@@ -21,7 +21,7 @@ from showattendtell.losses import (
     update_baseline,
 )
 from showattendtell.metrics import CiderDReward, MeteorReward, score_captions
-from showattendtell.model import CaptionModel, DecodingConfig
+from showattendtell.model import CaptionModel
 from showattendtell.vocab import Vocabulary, tokenize
 
 
@@ -51,6 +51,36 @@ class OptimizerConfig:
     lr_decay_every: int = 1  # ... every this many epochs (StepLR)
 
 
+def read_checkpoint(path: str | Path, option: str = "checkpoint") -> dict:
+    """A training checkpoint of `sat train`, read without unpickling arbitrary objects
+    (``weights_only=True``); anything else is a one-line ModelFileError of our own."""
+    import pickle
+
+    from showattendtell.model_file import ModelFileError
+
+    path = Path(path)
+    hint = "give a .ckpt file that sat train wrote (e.g. runs/NAME/checkpoints/last.ckpt)"
+    if path.is_dir():
+        raise ModelFileError(f"{option}: {path} is a folder: {hint}")
+    if not path.is_file():
+        raise ModelFileError(f"{option}: {path} not found: {hint}")
+    if path.stat().st_size == 0:
+        raise ModelFileError(f"{option}: {path} is empty (0 bytes): {hint}")
+    if path.suffix == ".safetensors":
+        raise ModelFileError(f"{option}: {path} is an exported model file, not a training "
+                             f"checkpoint: {hint}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError):
+        # torch's own message advises weights_only=False, i.e. running the file's code: no
+        raise ModelFileError(f"{option}: {path} is not a training checkpoint: {hint}") from None
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("hyper_parameters"), dict)
+            and "vocab" in ckpt["hyper_parameters"] and "state_dict" in ckpt):
+        raise ModelFileError(f"{option}: {path} is a PyTorch file but not a checkpoint of "
+                             f"sat train: {hint}")
+    return ckpt
+
+
 def decoder_weights(path: str, vocab: list[str]) -> dict[str, torch.Tensor]:
     """The decoder's state dict from a training checkpoint or a model file, checked to share
     ``vocab`` (word ids must mean the same words)."""
@@ -60,12 +90,8 @@ def decoder_weights(path: str, vocab: list[str]) -> dict[str, torch.Tensor]:
         raise ModelFileError(f"init_from: {path} not found: train and export that model first, "
                              "or pass --model.init_from null to start from scratch")
     if str(path).endswith(".ckpt"):
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-            theirs, state = ckpt["hyper_parameters"]["vocab"], ckpt["state_dict"]
-        except (OSError, KeyError, RuntimeError) as e:
-            raise ModelFileError(f"init_from: {path} is not a showattendtell checkpoint ({e})"
-                                 ) from None
+        ckpt = read_checkpoint(path, "init_from")
+        theirs, state = ckpt["hyper_parameters"]["vocab"], ckpt["state_dict"]
         prefix = "model.decoder."
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     else:
@@ -76,6 +102,21 @@ def decoder_weights(path: str, vocab: list[str]) -> dict[str, torch.Tensor]:
                              f"({len(theirs)} words, this run {len(vocab)}): train it on the "
                              "same captions with the same min_word_count")
     return state
+
+
+def load_checkpoint(path: str | Path) -> CaptionModule:
+    """The CaptionModule of a training checkpoint (for `sat export`); ``epoch`` is set from it."""
+    from showattendtell.model_file import ModelFileError
+
+    ckpt = read_checkpoint(path)
+    try:
+        module = CaptionModule(**ckpt["hyper_parameters"])
+        module.load_state_dict(ckpt["state_dict"])
+    except (TypeError, KeyError, RuntimeError) as e:
+        raise ModelFileError(f"checkpoint: {path} does not match this version of "
+                             f"showattendtell ({str(e).splitlines()[0]})") from None
+    module.checkpoint_epoch = int(ckpt.get("epoch", -1))
+    return module
 
 
 def _as(cls, value, **defaults):

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from showattendtell.decoder import Decoder, DecoderConfig
-from showattendtell.decoding import Hypothesis, beam_search, greedy_decode
+from showattendtell.decoding import DecodingConfig, Hypothesis, beam_search, greedy_decode
 from showattendtell.encoder import Encoder, EncoderConfig
 from showattendtell.vocab import Vocabulary
-
-
-@dataclass
-class DecodingConfig:
-    """How captions are generated (defaults stored with a model; callers may override)."""
-
-    beam_size: int = 3
-    max_length: int = 20
-    length_penalty: float = 0.0
-    hard_mode: str = "argmax"  # hard attention at inference: argmax, sample or expectation
-    no_repeat_ngram: int = 0  # > 0: no n-gram of this size twice in a caption
 
 
 class CaptionModel(nn.Module):

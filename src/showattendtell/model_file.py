@@ -17,9 +17,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from showattendtell.decoder import DecoderConfig
+from showattendtell.decoding import DecodingConfig
 from showattendtell.encoder import EncoderConfig
 from showattendtell.errors import UserError
-from showattendtell.model import CaptionModel, DecodingConfig
+from showattendtell.model import CaptionModel
 from showattendtell.vocab import Vocabulary
 
 FORMAT = "showattendtell/caption-model"
@@ -69,9 +70,11 @@ def save_model(
     return path
 
 
-def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
-    """Load a model file written by ``save_model`` (float32 on the CPU, in eval mode)."""
-    path = Path(path)
+def _read_header(path: Path) -> dict[str, str]:
+    """The string metadata of a model file, checked to be ours (the weights are not read)."""
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a folder: give a model file (.safetensors) or the name "
+                             "of a model (`sat models` lists them)")
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
     if path.suffix == ".ckpt":
@@ -83,31 +86,61 @@ def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
 
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise ModelFileError(f"{path} is a safetensors file but not a showattendtell model")
-        if meta.get("version") != VERSION:
-            raise ModelFileError(
-                f"{path} has model-file version {meta.get('version')}; this showattendtell "
-                f"reads version {VERSION}: upgrade the package"
-            )
-        state = load_file(str(path))
-    except ModelFileError:
-        raise
     except (SafetensorError, OSError, ValueError) as e:
         raise ModelFileError(
             f"{path} is not a valid model file (truncated or another format): {e}"
         ) from None
+    if meta.get("format") != FORMAT:
+        raise ModelFileError(f"{path} is a safetensors file but not a showattendtell model")
+    if meta.get("version") != VERSION:
+        raise ModelFileError(
+            f"{path} has model-file version {meta.get('version')}; this showattendtell "
+            f"reads version {VERSION}: upgrade the package"
+        )
+    return meta
+
+
+def _parse_header(path: Path, meta: dict[str, str]):
+    """(EncoderConfig, DecoderConfig, DecodingConfig, Vocabulary, info) from a file's header."""
     try:
         encoder = EncoderConfig(**json.loads(meta["encoder"]))
         decoder = DecoderConfig(**json.loads(meta["decoder"]))
         decoding = DecodingConfig(**json.loads(meta["decoding"]))
         vocab = Vocabulary.from_json(meta["vocab"])
         info = json.loads(meta.get("info", "{}"))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:  # DecodingError is a ValueError too
         raise ModelFileError(f"{path}: damaged model description ({e})") from None
+    return encoder, decoder, decoding, vocab, info
+
+
+def describe_model(path: str | Path) -> dict:
+    """What `sat models` shows, from the header alone (fast: no weights are read)."""
+    path = Path(path)
+    encoder, decoder, decoding, vocab, info = _parse_header(path, _read_header(path))
+    return {"attention": decoder.attention, "encoder": encoder.backbone,
+            "input_size": encoder.input_size, "grid": encoder.grid,
+            "feature_dim": encoder.feature_dim, "hidden_dim": decoder.hidden_dim,
+            "vocab_size": len(vocab), "decoding": decoding.to_dict(), "info": info}
+
+
+def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
+    """Load a model file written by ``save_model`` (float32 on the CPU, in eval mode)."""
+    path = Path(path)
+    meta = _read_header(path)
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ModelFileError(
+            f"{path} is not a valid model file (truncated or another format): {e}"
+        ) from None
+    encoder, decoder, decoding, vocab, info = _parse_header(path, meta)
     model = CaptionModel(vocab, encoder, decoder, load_encoder_weights=False)
     expected = model.state_dict()
     if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in state):
         raise ModelFileError(f"{path}: the weights do not match the model it describes")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:  # a diverged run: every caption would be empty or NaN-scored
+        raise ModelFileError(f"{path}: {len(bad)} weight tensors hold NaN or Inf values (e.g. "
+                             f"{bad[0]}): the training run diverged; export an earlier checkpoint")
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return model.eval(), decoding, info

@@ -1,13 +1,28 @@
-"""`sat train`: LightningCLI over CaptionModule + CaptionDataModule, driven by YAML configs."""
+"""`sat train` and `sat features`: LightningCLI over CaptionModule + CaptionDataModule, driven by
+YAML configs."""
 
 from __future__ import annotations
 
+import shlex
+import sys
 import warnings
+from pathlib import Path
 
+import lightning as L
+from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
 
 from showattendtell.data.datamodule import CaptionDataModule
+from showattendtell.errors import UserError
 from showattendtell.lit_module import CaptionModule
+
+INTERRUPTED_CHECKPOINT = "interrupted.ckpt"
+
+
+class TrainUsageError(UserError):
+    """A config file that is missing or does not parse: exit status 2."""
+
+    exit_code = 2
 
 
 class SatCLI(LightningCLI):
@@ -20,27 +35,97 @@ class SatCLI(LightningCLI):
                             help="resume training from this checkpoint (e.g. .../last.ckpt)")
 
 
+class SaveOnInterrupt(L.Callback):
+    """On Ctrl-C, a checkpoint of exactly where training stopped (not only the last finished
+    epoch), next to the run's other checkpoints. Lightning then ends the process itself."""
+
+    def __init__(self) -> None:
+        self.saved: Path | None = None
+        self.interrupted = False
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        if not isinstance(exception, KeyboardInterrupt):
+            return
+        self.interrupted = True
+        if trainer.global_step == 0:  # stopped before the first step (e.g. caching features)
+            return
+        ckpt = trainer.checkpoint_callback
+        folder = Path(ckpt.dirpath) if ckpt is not None and ckpt.dirpath else (
+            Path(trainer.default_root_dir) / "checkpoints")
+        self.saved = folder / INTERRUPTED_CHECKPOINT
+        trainer.save_checkpoint(self.saved)
+
+
+def _check_config_files(args: list[str]) -> None:
+    """A missing --config is one line, not jsonargparse's 60 lines of usage before it."""
+    for i, arg in enumerate(args):
+        value = None
+        if arg == "--config" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        if value is not None and not Path(value).is_file():
+            raise TrainUsageError(f"--config {value}: no such file (the configs are in "
+                                  "configs/, e.g. configs/flickr8k_lite2_soft.yaml)")
+
+
 def build_cli(args: list[str]) -> SatCLI:
+    _check_config_files(args)
     # The frozen encoder stays in eval mode on purpose (BatchNorm statistics are not trained).
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     # `sat train ARGS` hands ARGS over explicitly, so sys.argv holding them too is intended
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
-    return SatCLI(
-        CaptionModule,
-        CaptionDataModule,
-        run=False,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": "sat train", "default_env": False},
-    )
+    try:
+        return SatCLI(
+            CaptionModule,
+            CaptionDataModule,
+            run=False,
+            args=args,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "sat train", "default_env": False, "exit_on_error": False},
+        )
+    except ArgumentError as e:
+        raise TrainUsageError(f"{e} (`sat train --help` lists the options)") from None
 
 
-def train(args: list[str]) -> None:
+def resume_command(args: list[str], checkpoint: Path) -> str:
+    """The `sat train` command line that continues from ``checkpoint``."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return shlex.join(["sat", "train", *kept, "--ckpt_path", str(checkpoint)])
+
+
+def train(args: list[str]) -> int:
+    """Fit; on Ctrl-C save where it stopped, say how to resume, and return exit status 130."""
     cli = build_cli(args)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
+    on_interrupt = SaveOnInterrupt()
+    cli.trainer.callbacks.append(on_interrupt)
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
+    except SystemExit:  # Lightning's own exit after a KeyboardInterrupt
+        if not on_interrupt.interrupted:
+            raise
+    if not on_interrupt.interrupted:
+        return 0
+    if on_interrupt.saved is not None:
+        print(f"interrupted at epoch {cli.trainer.current_epoch}, step "
+              f"{cli.trainer.global_step}; saved {on_interrupt.saved}\nresume with:\n  "
+              f"{resume_command(args, on_interrupt.saved)}", file=sys.stderr)
+    else:
+        print("interrupted before the first training step; run the same command again to "
+              "start (features cached so far are kept)", file=sys.stderr)
+    return 130
 
 
-def extract_features(args: list[str]) -> None:
+def extract_features(args: list[str]) -> int:
     """`sat features --config X.yaml`: fill the feature cache exactly as `sat train` would."""
     cli = build_cli(args)
     cli.datamodule.prepare_data()
+    return 0

@@ -1,0 +1,270 @@
+"""The output file of `sat caption`: one JSON Lines or CSV record per image, written whole, and
+what ``--resume`` may read back from it.
+
+Every record is written with one write and flushed at once, so an interrupted run leaves complete
+records, plus at worst one partial last record if the process was killed mid-write. ``--resume``
+reads the whole file before it changes anything: every complete record must be one of ours, and
+the only thing it ever removes is that one partial last record (its image is captioned again).
+Any other file is refused and left byte for byte as it was.
+
+Import-light (no torch): the CLI imports it when it builds its parser.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from showattendtell.errors import UserError
+
+if TYPE_CHECKING:
+    from showattendtell.inference import CaptionResult
+
+FORMATS = ("jsonl", "csv")
+CSV_FIELDS = ("path", "caption", "score", "log_prob", "error", "warning")
+ATTENTION_FIELDS = ("attention", "locations")
+_CSV_BEFORE_WARNINGS = CSV_FIELDS[:5]  # files written before the warning column; still resumable
+JSONL_RECORD_START = '{"path": '  # how every JSON line we write begins
+
+
+class OutputError(UserError):
+    """The output file cannot be written or resumed; the message says what to do."""
+
+    exit_code = 2
+
+
+@dataclass
+class Record:
+    """One output line: a caption result or an error, for the image at ``path``."""
+
+    path: str
+    result: CaptionResult | None = None
+    error: str | None = None
+
+
+def record_dict(rec: Record, with_attention: bool) -> dict:
+    if rec.result is None:
+        return {"path": rec.path, "error": rec.error}
+    return {"path": rec.path, **rec.result.to_dict(with_attention)}
+
+
+def csv_fields(with_attention: bool) -> tuple[str, ...]:
+    return CSV_FIELDS + (ATTENTION_FIELDS if with_attention else ())
+
+
+class Writer:
+    """Writes complete records, each with a single write followed by a flush.
+
+    A kill between writes leaves whole records only; a record is never split over two writes
+    (short writes of a regular file are retried until the record is out). CSV rows follow
+    ``fields`` (a resumed file keeps its own header's layout).
+    """
+
+    def __init__(self, fmt: str, with_attention: bool, stream: IO[bytes] | None = None,
+                 fields: tuple[str, ...] | None = None):
+        self.fmt, self.with_attention, self.stream = fmt, with_attention, stream
+        self.fields = fields or csv_fields(with_attention)
+
+    def header(self) -> None:
+        if self.fmt == "csv":
+            self._write(_csv_line(list(self.fields)))
+
+    def write(self, rec: Record) -> None:
+        d = record_dict(rec, self.with_attention)
+        if self.fmt == "jsonl":
+            line = json.dumps(d, ensure_ascii=False, allow_nan=False) + "\n"
+        else:
+            line = _csv_line([_csv_cell(d.get(f)) for f in self.fields])
+        self._write(line)
+
+    def _write(self, line: str) -> None:
+        data = line.encode("utf-8", "surrogateescape")  # undecodable file names round-trip
+        if self.stream is None:  # standard output: looked up now (a progress bar may wrap it)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            return
+        view = memoryview(data)
+        while view:
+            n = self.stream.write(view)
+            view = view[n:]
+        self.stream.flush()
+
+
+def _csv_cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, allow_nan=False)
+    return str(value)
+
+
+def _csv_line(row: list) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow(row)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- --resume
+
+
+@dataclass
+class ResumePoint:
+    """What a previous run left in the output file."""
+
+    done: set[str] = field(default_factory=set)  # paths with a complete record
+    keep_bytes: int = 0  # the file is cut to this length before appending (drops a partial tail)
+    fields: tuple[str, ...] | None = None  # the CSV header's columns (None: no header yet)
+
+
+def scan_output(path: Path, fmt: str, with_attention: bool) -> ResumePoint:
+    """Read an output file to resume; nothing is changed. Raises OutputError (exit 2) for a
+    file that is not a `sat caption` output of this format and these options."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise OutputError(f"--resume: cannot read {path}: {e.strerror or e}") from None
+    text = data.decode("utf-8", "surrogateescape")
+    if fmt == "jsonl":
+        point = _scan_jsonl(path, text, with_attention)
+    else:
+        point = _scan_csv(path, text, with_attention)
+    point.keep_bytes = len(text[: point.keep_bytes].encode("utf-8", "surrogateescape"))
+    return point
+
+
+def _not_ours(path: Path, fmt: str, where: str) -> OutputError:
+    other = "csv" if fmt == "jsonl" else "jsonl"
+    return OutputError(f"--resume: {path} is not a `sat caption` {fmt.upper()} file ({where}); "
+                       f"it is left as it was. Is it the right file (or --format {other})?")
+
+
+def _scan_jsonl(path: Path, text: str, with_attention: bool) -> ResumePoint:
+    point = ResumePoint()
+    end = text.rfind("\n") + 1
+    complete, tail = text[:end], text[end:]
+    for n, line in enumerate(complete.split("\n")[:-1], 1):
+        if not line.strip():
+            continue
+        rec = _json_record(line)
+        if rec is None:
+            raise _not_ours(path, "jsonl", f"line {n}")
+        _check_attention(path, "caption" in rec and ("attention" in rec) != with_attention,
+                         with_attention)
+        point.done.add(rec["path"])
+    ours = tail.startswith(JSONL_RECORD_START) or JSONL_RECORD_START.startswith(tail)
+    if not ours:  # a last line without a newline that is not the start of one of our records
+        raise _not_ours(path, "jsonl", f"its last line, {_preview(tail)}, is not a record")
+    point.keep_bytes = end  # cut the partial tail, if any: that image is captioned again
+    return point
+
+
+def _json_record(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if (isinstance(rec, dict) and isinstance(rec.get("path"), str)
+            and ("caption" in rec or "error" in rec)):
+        return rec
+    return None
+
+
+def _csv_records(text: str):
+    """(row, end offset in characters, terminated by a newline) for every CSV record. Records
+    may span lines (quoted newlines in file names), so lines are fed to csv.reader one by one
+    and each row's end is where the reader stopped consuming."""
+    consumed = 0
+    last_line_ended = True
+
+    def lines():
+        nonlocal consumed, last_line_ended
+        for line in re.findall(r"[^\n]*\n|[^\n]+\Z", text):  # only "\n" ends a line here
+            consumed += len(line)
+            last_line_ended = line.endswith("\n")
+            yield line
+
+    reader = csv.reader(lines(), strict=True)
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error:  # an unterminated quote at the very end: a partial record
+            yield None, consumed, False
+            return
+        yield row, consumed, last_line_ended
+
+
+def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
+    point = ResumePoint()
+    layouts = [csv_fields(a) for a in (False, True)]
+    layouts += [_CSV_BEFORE_WARNINGS + extra for extra in ((), ATTENTION_FIELDS)]
+    header = "\n".join(",".join(f) for f in layouts)
+    for n, (row, end, ended) in enumerate(_csv_records(text), 1):
+        if not ended:  # the last record, cut short by a kill: it must be a prefix of a record
+            if n == 1:
+                ok = row is not None and any(",".join(f).startswith(",".join(row))
+                                             for f in layouts)
+            else:
+                ok = row is None or 0 < len(row) <= len(point.fields)
+            if not ok:
+                raise _not_ours(path, "csv", "its last line is not a record")
+            break
+        if n == 1:
+            if tuple(row) not in layouts:
+                raise _not_ours(path, "csv", f"no `{header.splitlines()[0]}` header")
+            point.fields = tuple(row)
+            _check_attention(path, ("attention" in row) != with_attention, with_attention)
+        elif len(row) != len(point.fields):
+            raise _not_ours(path, "csv", f"record {n} has {len(row)} columns, the header "
+                                         f"{len(point.fields)}")
+        else:
+            point.done.add(row[0])
+        point.keep_bytes = end
+    return point
+
+
+def _check_attention(path: Path, mismatch: bool, with_attention: bool) -> None:
+    if mismatch:
+        hint = ("was written without --with-attention: drop that option" if with_attention
+                else "was written with --with-attention: add that option")
+        raise OutputError(f"--resume: {path} {hint} to continue it (or write a new file)")
+
+
+def _preview(s: str, n: int = 30) -> str:
+    return repr(s if len(s) <= n else s[:n] + "...")
+
+
+def open_output(path: Path, resume: ResumePoint | None) -> IO[bytes]:
+    """Open the output file for appending, first cutting a partial last record (``resume``) or
+    the old contents (a fresh run). Called once captioning can start, so a run that fails
+    before it (a bad model file) leaves an existing file untouched."""
+    try:
+        stream = open(path, "ab", buffering=0)  # noqa: SIM115 - closed by the caller
+        if resume is None:
+            if path.is_file():
+                stream.truncate(0)
+        elif resume.keep_bytes < path.stat().st_size:
+            stream.truncate(resume.keep_bytes)
+    except OSError as e:
+        raise OutputError(f"cannot write --output {path}: {e.strerror or e}") from None
+    return stream
+
+
+def prepare_folder(option: str, folder: Path) -> None:
+    """Create an output folder now, before any work, or say in one line why it cannot be."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create the folder for {option} ({folder}): "
+                          f"{e.strerror or e}") from None
+    if not os.access(folder, os.W_OK):
+        raise OutputError(f"cannot write into the folder for {option} ({folder}): "
+                          "permission denied")
