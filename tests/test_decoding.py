@@ -1,4 +1,9 @@
+import json
+
+import numpy as np
+import pytest
 import torch
+from synthetic import make_example
 from test_attention import small_decoder
 
 from showattendtell.decoding import END, UNK, beam_search, greedy_decode
@@ -96,3 +101,59 @@ def test_no_repeat_ngram_blocks_every_repeated_ngram():
             for h in hyps:
                 assert repeated_ngrams(h.tokens, n) == 0, (n, h.tokens)
                 assert len(h.tokens) <= 12
+
+
+# -- the decoding options: one place checks them, for the CLI, the Python API and the service --
+
+BAD_OPTIONS = [
+    {"beam_size": 0}, {"beam_size": 21}, {"beam_size": 500}, {"beam_size": 2.5},
+    {"beam_size": True}, {"max_length": 0}, {"max_length": 101},
+    {"length_penalty": float("nan")}, {"length_penalty": float("inf")}, {"length_penalty": -1},
+    {"hard_mode": "maximum"}, {"no_repeat_ngram": -1}, {"beam": 3},
+]
+
+
+@pytest.mark.parametrize("options", BAD_OPTIONS, ids=lambda o: f"{o}")
+def test_bad_decoding_options_are_refused_everywhere(options, tiny_model_file, tmp_path, capsys):
+    from showattendtell import caption_images, load_model
+    from showattendtell.cli import main
+    from showattendtell.decoding import DecodingConfig, DecodingError
+
+    with pytest.raises(DecodingError) as e:
+        DecodingConfig().with_overrides(**options)
+    assert "\n" not in str(e.value)
+    img = tmp_path / "x.png"
+    make_example(np.random.default_rng(0))[0].save(img)
+    captioner = load_model(tiny_model_file, device="cpu")
+    with pytest.raises(DecodingError):
+        caption_images(captioner, [img], **options)
+    (name, value), = options.items()
+    if name == "beam" or isinstance(value, bool) or value == 2.5:  # argparse's own type errors
+        return
+    flag = "--" + name.replace("_", "-")
+    # checked before the model is loaded: a missing model file is not even looked at
+    assert main(["caption", str(img), flag, str(value), "--model", "missing.safetensors"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and flag in err and "\n" not in err
+
+
+def test_integral_floats_are_whole_numbers_and_none_keeps_the_default():
+    from showattendtell.decoding import DecodingConfig
+
+    cfg = DecodingConfig(beam_size=5).with_overrides(beam_size=None, max_length=12.0)
+    assert cfg.beam_size == 5 and cfg.max_length == 12 and isinstance(cfg.max_length, int)
+
+
+def test_a_model_file_with_bad_stored_decoding_is_refused(tiny_model_file, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from showattendtell.model_file import ModelFileError, read_model
+
+    with safe_open(str(tiny_model_file), framework="pt") as f:
+        meta = f.metadata()
+    meta["decoding"] = json.dumps({**json.loads(meta["decoding"]), "beam_size": 0})
+    path = tmp_path / "bad.safetensors"
+    save_file(load_file(str(tiny_model_file)), str(path), metadata=meta)
+    with pytest.raises(ModelFileError, match="beam size"):
+        read_model(path)

@@ -104,3 +104,65 @@ def test_list_images_finds_by_suffix(tmp_path):
     assert [p.name for p in list_images([tmp_path])] == ["a.jpg", "b.PNG"]
     assert [p.name for p in list_images([tmp_path], recursive=True)] == ["a.jpg", "b.PNG",
                                                                          "c.webp"]
+
+
+@pytest.mark.parametrize("size,warned", [((1, 1), "1x1"), ((31, 200), "under 32"),
+                                         ((900, 100), "beyond 1:8"), ((32, 256), None),
+                                         ((640, 480), None)])
+def test_degenerate_photos_get_a_warning(size, warned):
+    from showattendtell.images import image_warning
+
+    w = image_warning(Image.new("RGB", size, (200, 0, 0)))
+    assert (w is None) if warned is None else (warned in w)
+
+
+def test_a_one_pixel_photo_is_captioned_with_a_warning(tiny_model_file, tmp_path, capsys):
+    import json
+
+    from showattendtell import caption_images, load_model
+    from showattendtell.cli import main
+
+    Image.new("RGB", (1, 1), (255, 0, 0)).save(tmp_path / "pixel.png")
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(tmp_path / "fine.png")
+    assert main(["caption", str(tmp_path / "pixel.png"), str(tmp_path / "fine.png"),
+                 "--model", str(tiny_model_file), "--workers", "0"]) == 0
+    captured = capsys.readouterr()
+    pixel, fine = (json.loads(line) for line in captured.out.splitlines())
+    assert pixel["caption"] and "1x1 pixels" in pixel["warning"] and "warning" not in fine
+    assert f"warning: {tmp_path / 'pixel.png'}: the image is only 1x1" in captured.err
+    result = caption_images(load_model(tiny_model_file, "cpu"), [tmp_path / "pixel.png"])[0]
+    assert "1x1" in result.warning and result.to_dict()["warning"] == result.warning
+    out = tmp_path / "out.csv"
+    assert main(["caption", str(tmp_path / "pixel.png"), "-o", str(out), "--model",
+                 str(tiny_model_file), "--workers", "0"]) == 0
+    assert "1x1 pixels" in out.read_text().splitlines()[1]
+
+
+def test_recursive_listing_follows_folder_links_without_looping(tmp_path):
+    real = tmp_path / "real"
+    (real / "sub").mkdir(parents=True)
+    for name in ("a.jpg", "sub/b.png"):
+        Image.new("RGB", (8, 8)).save(real / name)
+    top = tmp_path / "top"
+    top.mkdir()
+    (top / "link").symlink_to(real, target_is_directory=True)  # the folder's only child
+    (real / "sub" / "loop").symlink_to(real, target_is_directory=True)  # back to a parent
+    found = list_images([top], recursive=True)
+    assert [p.relative_to(top).as_posix() for p in found] == ["link/a.jpg", "link/sub/b.png"]
+    assert list_images([top], recursive=False) == []
+
+
+def test_caption_recursive_through_a_folder_link(tiny_model_file, tmp_path, capsys):
+    import json
+
+    from showattendtell.cli import main
+
+    real = tmp_path / "real"
+    real.mkdir()
+    Image.new("RGB", (64, 64), (0, 0, 255)).save(real / "a.png")
+    (tmp_path / "top").mkdir()
+    (tmp_path / "top" / "photos").symlink_to(real, target_is_directory=True)
+    assert main(["caption", str(tmp_path / "top"), "--recursive", "--model",
+                 str(tiny_model_file), "--workers", "0"]) == 0
+    [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert record["path"] == str(tmp_path / "top" / "photos" / "a.png")

@@ -122,3 +122,21 @@ def test_bundled_models_caption_real_photos_sensibly(model_file):
 def test_a_model_is_bundled_and_is_the_default():
     assert bundled_models(), "no bundled model: the package data is missing"
     assert bundled_models()[0].name == DEFAULT_BUNDLED
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_with_nan_or_inf_are_refused_at_load(bad, tiny_model_file, tmp_path, capsys):
+    from showattendtell.cli import main
+
+    model, decoding, _ = read_model(tiny_model_file)
+    with torch.no_grad():
+        model.decoder.out_vocab.weight[0, 0] = bad
+    path = save_model(model, tmp_path / "diverged.safetensors", decoding)
+    with pytest.raises(ModelFileError, match="NaN or Inf") as e:
+        read_model(path)
+    assert "diverged.safetensors" in str(e.value) and "\n" not in str(e.value)
+    img = tmp_path / "x.png"
+    make_example(np.random.default_rng(0))[0].save(img)
+    assert main(["caption", str(img), "--model", str(path), "--beam-size", "3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "NaN or Inf" in err and "\n" not in err

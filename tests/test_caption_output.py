@@ -1,0 +1,147 @@
+"""`sat caption --resume` and the output file: a file that is not ours is never changed, and the
+only thing a resume may remove is one partial last record (issue #15, data loss)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from synthetic import make_example
+
+from showattendtell.caption_output import OutputError, scan_output
+from showattendtell.cli import main
+
+
+@pytest.fixture
+def images(tmp_path: Path) -> list[str]:
+    rng = np.random.default_rng(3)
+    names = []
+    for i in range(3):
+        img, _, _ = make_example(rng)
+        img.save(tmp_path / f"img{i}.png")
+        names.append(f"img{i}.png")
+    return names
+
+
+def caption(tmp_path, monkeypatch, model: Path, *args: str) -> int:
+    monkeypatch.chdir(tmp_path)
+    return main(["caption", *args, "--model", str(model), "--workers", "0", "--beam-size", "1"])
+
+
+@pytest.mark.parametrize("name,content", [
+    ("notes.txt", b"notes\nlast line"),  # lost "last line" before the fix
+    ("notes.jsonl", b"notes"),  # one line, no newline: erased and overwritten before the fix
+    ("one.jsonl", b'{"a": 1}'),  # JSON, but not a record of ours
+    ("two.jsonl", b'{"path": "x.jpg", "caption": "a dog"}\nnot json\n'),
+    ("blank.csv", b"\n\n"),
+    ("table.csv", b"name,value\nx,1\n"),
+    ("jsonl.csv", b'{"path": "x.jpg", "caption": "a dog", "score": -1.0}\n'),
+    ("csv.jsonl", b"path,caption,score,log_prob,error,warning\nx.jpg,a dog,-1.0,-1.0,,\n"),
+    ("partial.csv", b"path,caption,score,log_prob,error,warning\nx.jpg,a dog,-1,-1,,\n"
+                    b"some,thing,that,has,too,many,columns"),
+    ("columns.csv", b"path,caption,score,log_prob,error,warning\nx.jpg,a dog\n"),
+])
+def test_resume_refuses_a_foreign_file_and_leaves_its_bytes(name, content, images, tiny_model_file,
+                                                            tmp_path, monkeypatch, capsys):
+    out = tmp_path / name
+    out.write_bytes(content)
+    fmt = ["--format", "csv" if name.endswith(".csv") else "jsonl"]
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", name, *fmt,
+                   "--resume") == 2
+    assert out.read_bytes() == content
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --resume:") and "\n" not in err and "left as it was" in err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_resume_removes_only_a_partial_last_record(fmt, images, tiny_model_file, tmp_path,
+                                                   monkeypatch):
+    name = f"out.{fmt}"
+    out = tmp_path / name
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images[:2], "-o", name) == 0
+    first = out.read_bytes()
+    partial = (b'{"path": "img2.png", "capt' if fmt == "jsonl" else b'img2.png,"a red squ')
+    out.write_bytes(first + partial)  # killed in the middle of writing the third record
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", name, "--resume") == 0
+    data = out.read_bytes()
+    rest = data[len(first):]  # what was there is kept as it was; the tail is replaced whole
+    assert data.startswith(first) and rest.count(b"\n") == 1 and rest.endswith(b"\n")
+    if fmt == "jsonl":
+        assert [json.loads(x)["path"] for x in data.decode().splitlines()] == images
+    else:
+        assert [x.split(",")[0] for x in data.decode().splitlines()[1:]] == images
+
+
+def test_resume_keeps_a_file_written_without_the_warning_column(images, tiny_model_file,
+                                                                 tmp_path, monkeypatch):
+    out = tmp_path / "old.csv"
+    old = b"path,caption,score,log_prob,error\nimg0.png,a red circle,-1.0,-2.0,\n"
+    out.write_bytes(old)
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "old.csv",
+                   "--resume") == 0
+    data = out.read_bytes()
+    lines = data.decode().splitlines()
+    assert data.startswith(old) and len(lines) == 4
+    assert all(len(x.split(",")) == 5 for x in lines)  # the file's own layout is kept
+
+
+def test_resume_refuses_other_attention_options(images, tiny_model_file, tmp_path, monkeypatch,
+                                                capsys):
+    out = tmp_path / "att.jsonl"
+    assert caption(tmp_path, monkeypatch, tiny_model_file, images[0], "-o", "att.jsonl",
+                   "--with-attention") == 0
+    before = out.read_bytes()
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "att.jsonl",
+                   "--resume") == 2
+    assert out.read_bytes() == before
+    assert "with --with-attention" in capsys.readouterr().err
+
+
+def test_csv_records_with_newlines_in_file_names(tmp_path):
+    out = tmp_path / "nl.csv"
+    good = ('path,caption,score,log_prob,error,warning\n"a\nb.jpg",a dog,-1,-1,,\n'
+            '"c\n.jpg",a cat,-1,-1,,\n')
+    out.write_text(good + '"d\nx.jpg",a b')
+    point = scan_output(out, "csv", with_attention=False)
+    assert point.done == {"a\nb.jpg", "c\n.jpg"} and point.keep_bytes == len(good.encode())
+    assert out.read_text() == good + '"d\nx.jpg",a b'  # scanning changes nothing
+
+
+def test_scan_accepts_a_partial_first_record(tmp_path):
+    out = tmp_path / "p.jsonl"
+    out.write_bytes(b'{"pa')
+    assert scan_output(out, "jsonl", False).keep_bytes == 0
+    out = tmp_path / "p.csv"
+    out.write_bytes(b"path,capt")
+    assert scan_output(out, "csv", False).keep_bytes == 0
+    out.write_bytes(b"pathology")
+    with pytest.raises(OutputError):
+        scan_output(out, "csv", False)
+
+
+def test_unwritable_output_and_overlay_folders(images, tiny_model_file, tmp_path, monkeypatch,
+                                               capsys):
+    for args in (["-o", "/proc/forbidden/x.jsonl"], ["--overlays", "/proc/forbidden/sheets"]):
+        assert caption(tmp_path, monkeypatch, tiny_model_file, *images, *args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: cannot create the folder") and "\n" not in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
+def test_full_disk_is_one_line(images, tiny_model_file, tmp_path, monkeypatch, capsys):
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "/dev/full") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: cannot write to /dev/full: No space left on device")
+    assert not any("Traceback" in line for line in err)
+
+
+def test_outputs_are_strict_json(images, tiny_model_file, tmp_path, monkeypatch, capsys):
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "--length-penalty",
+                   "nan") == 2
+    assert "length penalty" in capsys.readouterr().err
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "--with-attention",
+                   "--beam-size", "3") == 0
+    for line in capsys.readouterr().out.splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON: {c}"))

@@ -1,0 +1,71 @@
+"""Models by name: --model NAME for bundled models and $SAT_MODEL, and `sat models`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from synthetic import make_example
+
+from showattendtell.catalog import ModelNotFound, bundled_models, resolve_model
+from showattendtell.cli import main
+from showattendtell.inference import load_model
+
+
+def test_bundled_models_are_named_by_their_stem():
+    names = [p.stem for p in bundled_models()]
+    assert names[:2] == ["flickr8k_lite2_soft", "flickr8k_lite2_hard"]
+    for p in bundled_models():
+        assert resolve_model(p.stem) == p and resolve_model(p.name) == p
+    assert load_model("flickr8k_lite2_hard", device="cpu").attention_type == "hard"
+
+
+def test_an_existing_path_wins_over_a_name(tmp_path, monkeypatch, tiny_model_file):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "flickr8k_lite2_hard").write_bytes(tiny_model_file.read_bytes())
+    assert resolve_model("flickr8k_lite2_hard").resolve() == tmp_path / "flickr8k_lite2_hard"
+
+
+def test_unknown_names_and_folders_are_one_line_usage_errors(tmp_path, capsys):
+    img = tmp_path / "x.png"
+    make_example(np.random.default_rng(0))[0].save(img)
+    assert main(["caption", str(img), "--model", "no_such_model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --model no_such_model: no such file") and "\n" not in err
+    assert "flickr8k_lite2_hard" in err  # says which names exist
+    assert main(["caption", str(img), "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a folder" in err and "\n" not in err
+    with pytest.raises(ModelNotFound):
+        load_model(tmp_path)
+
+
+def test_caption_with_a_bundled_model_name(tmp_path, capsys):
+    img = tmp_path / "x.png"
+    make_example(np.random.default_rng(0))[0].save(img)
+    assert main(["caption", str(img), "--model", "flickr8k_lite2_hard", "--beam-size", "1",
+                 "--workers", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["caption"]
+
+
+def test_sat_models_lists_bundled_and_env_models(tiny_hard_model_file, monkeypatch, capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for expected in ("flickr8k_lite2_soft (default)", "flickr8k_lite2_hard", "efficientnet_lite2",
+                     "260 px", "9x9x1280", "words", "beam 3", "hard mode expectation"):
+        assert expected in out, expected
+    monkeypatch.setenv("SAT_MODEL", str(tiny_hard_model_file))
+    assert main(["models", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0]["name"] == tiny_hard_model_file.stem and rows[0]["default"]
+    assert rows[0]["attention"] == "hard" and rows[0]["grid"] == 2
+    assert rows[0]["decoding"]["beam_size"] == 3 and rows[0]["vocab_size"] > 4
+    assert {r["name"] for r in rows[1:]} == {"flickr8k_lite2_soft", "flickr8k_lite2_hard"}
+    assert load_model(tiny_hard_model_file.stem).attention_type == "hard"  # $SAT_MODEL by name
+
+
+def test_a_missing_sat_model_file_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("SAT_MODEL", str(tmp_path / "gone.safetensors"))
+    with pytest.raises(ModelNotFound, match=r"\$SAT_MODEL is .*gone.safetensors"):
+        load_model(None)
