@@ -149,7 +149,89 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "no.safetensors" in err and len(err.splitlines()) == 1
     assert main(["export", str(tmp_path / "none.ckpt"), str(tmp_path / "m.safetensors")]) == 1
-    assert "checkpoint not found" in capsys.readouterr().err
+    assert "none.ckpt not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["photo", "empty", "folder", "model file", "other pickle"])
+def test_export_of_something_else_is_one_line_of_our_own(kind, tmp_path, tiny_model_file,
+                                                         capsys):
+    from PIL import Image
+
+    src = tmp_path / "thing.ckpt"
+    if kind == "photo":
+        src = tmp_path / "photo.jpg"
+        Image.new("RGB", (8, 8)).save(src)
+    elif kind == "empty":
+        src.write_bytes(b"")
+    elif kind == "folder":
+        src.mkdir()
+    elif kind == "model file":
+        src = tiny_model_file
+    else:
+        torch.save({"weights": torch.zeros(2)}, src)
+    assert main(["export", str(src), str(tmp_path / "out.safetensors")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: checkpoint: ") and src.name in err and "\n" not in err
+    assert "weights_only" not in err and "sat train" in err
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_train_with_a_missing_config_says_so_first(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --config") and "missing.yaml" in err and "\n" not in err
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                 "--trainer.max_epochs", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "usage:" not in err
+
+
+def _default_sigint() -> None:  # a background job starts with SIGINT ignored; undo that
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(synthetic_flickr, tmp_path):
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
+            str(synthetic_flickr), "--data.feature_cache", "cache", "--trainer.max_epochs", "200"]
+    proc = subprocess.Popen([sys.executable, "-m", "showattendtell.cli", *args], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=_default_sigint)
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not last.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    time.sleep(1.0)  # into the next epoch
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    saved = last.with_name("interrupted.ckpt")
+    ckpt = torch.load(saved, map_location="cpu", weights_only=True)
+    assert f"step {ckpt['global_step']}; saved {saved}" in err  # where it stopped
+    assert ckpt["global_step"] >= torch.load(last, weights_only=True)["global_step"]
+    command = err.split("resume with:\n", 1)[1].strip().splitlines()[0]
+    argv = shlex.split(command)
+    assert argv[:2] == ["sat", "train"] and argv[-2:] == ["--ckpt_path", str(saved)]
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:  # the printed command resumes (to the end of the interrupted epoch here)
+        assert main([*argv[1:], "--trainer.max_epochs", str(ckpt["epoch"] + 1)]) == 0
+    finally:
+        os.chdir(old)
+    done = torch.load(last, map_location="cpu", weights_only=True)
+    # the interrupted epoch is finished, not started again: the steps add up to whole epochs
+    steps_per_epoch = 24 * 5 // 8  # synthetic_flickr: 24 training images x 5 captions; batch 8
+    assert done["epoch"] == ckpt["epoch"] and done["global_step"] > ckpt["global_step"]
+    assert done["global_step"] == (ckpt["epoch"] + 1) * steps_per_epoch
 
 
 def test_self_critical_fine_tuning_from_a_trained_run(trained_run, tmp_path, capsys):
