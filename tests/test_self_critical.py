@@ -61,10 +61,9 @@ def shapes_module(attention="soft", max_length=6, meteor=0.0):
 def test_sampled_captions_are_well_formed():
     for attention in ("soft", "hard"):
         module, feats, _, _ = shapes_module(attention)
-        mode = "soft" if attention == "soft" else "sample"
         with torch.no_grad():  # <end> unlikely: some captions run to max_length and are cut
             module.model.decoder.out_vocab.bias[END] -= 2.0
-        s = sample_captions(module.model.decoder, feats[:64], max_length=6, mode=mode)
+        s = sample_captions(module.model.decoder, feats[:64], max_length=6)
         assert (s.captions[:, 0] == START).all()
         cut = 0
         for b in range(64):

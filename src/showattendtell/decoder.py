@@ -14,6 +14,7 @@ matmul, U_a h and f_beta h are one fused matmul, and rows whose caption has ende
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,34 @@ class TeacherForcedOutput:
     location_log_prob: torch.Tensor | None  # (B,) sum_t log alpha_{t, s_t} (hard only)
     entropy: torch.Tensor | None  # (B,) sum_t H[alpha_t] (hard only)
     locations: torch.Tensor | None  # (B, T) sampled s_t, -1 after the end (hard only)
+
+
+@dataclass
+class DecoderState:
+    """What search carries from one word to the next, one row per partial caption."""
+
+    h: torch.Tensor  # (N, H) LSTM hidden state
+    c: torch.Tensor  # (N, H) LSTM cell state
+    projected: torch.Tensor  # (N, L, A) W_a a_i + b of the row's image
+    annotations: torch.Tensor  # (N, L, D) the row's image's annotation grid
+
+    def select(self, rows: torch.Tensor, same_images: bool = False) -> DecoderState:
+        """The state of rows ``rows`` (N',): reorders beams, repeats images, drops finished
+        captions. ``same_images``: every selected row attends to the same image as the row at
+        its new position (beams of one image re-ranked), so the grids need no copy."""
+        if same_images:
+            return DecoderState(self.h[rows], self.c[rows], self.projected, self.annotations)
+        return DecoderState(self.h[rows], self.c[rows], self.projected[rows],
+                            self.annotations[rows])
+
+
+class Step(NamedTuple):
+    """One word of decoding for every row of a DecoderState."""
+
+    log_probs: torch.Tensor  # (N, V) log p(y_t | y_<t, a)
+    alpha: torch.Tensor  # (N, L) attention over the grid
+    location: torch.Tensor | None  # (N,) the one attended cell s_t (None: expected context)
+    state: DecoderState
 
 
 class Decoder(nn.Module):
@@ -125,15 +154,29 @@ class Decoder(nn.Module):
         """Logits L_o(E y_{t-1} + L_h h_t + L_z z_t), with dropout on the sum."""
         return self.out_vocab(self.dropout(emb + self.out_hidden(h) + self.out_context(z)))
 
-    # -- inference: one step for a batch of partial captions (used by decoding.py) ----------
+    # -- inference: the two calls search uses (decoding.py) -----------------------------------
 
-    def step(self, prev_words, h, c, projected, annotations, mode: str = "soft"):
-        """Log-probabilities of the next word: returns logp (B, V), h, c, alpha, s_t."""
-        emb = self.embedding(prev_words)
+    def start(self, annotations: torch.Tensor) -> DecoderState:
+        """The state before the first word, for annotation grids (B, L, D)."""
+        h, c = self.init_state(annotations)  # (B, H) each
+        return DecoderState(h, c, self.attention.project_annotations(annotations), annotations)
+
+    def step(self, prev_words: torch.Tensor, state: DecoderState,
+             hard_mode: str = "argmax") -> Step:
+        """Attend and predict the next word for every row, given the previous words (N,).
+
+        Soft attention always uses the expected context. Hard attention attends to one cell:
+        the most likely one (hard_mode "argmax") or a sampled one ("sample"); "expectation" gives
+        it the expected context instead (how the authors' released sampler decodes).
+        """
+        mode = "soft" if self.config.attention == "soft" or hard_mode == "expectation" \
+            else hard_mode
+        emb = self.embedding(prev_words)  # (N, E)
         h, c, z, alpha, s = self.recurrent_step(
-            self.gate_embed(emb), h, c, projected, annotations, mode
+            self.gate_embed(emb), state.h, state.c, state.projected, state.annotations, mode
         )
-        return F.log_softmax(self.deep_output(emb, h, z), dim=-1), h, c, alpha, s
+        log_probs = F.log_softmax(self.deep_output(emb, h, z), dim=-1)  # (N, V)
+        return Step(log_probs, alpha, s, DecoderState(h, c, state.projected, state.annotations))
 
     # -- training: teacher forcing over whole captions ---------------------------------------
 

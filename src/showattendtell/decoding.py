@@ -1,7 +1,11 @@
-"""Caption generation: greedy and batched beam search over the decoder's ``step``.
+"""Caption generation: the decoding options (``DecodingConfig``, checked here for every entry
+point), greedy and batched beam search, and sampling for self-critical training.
 
-Both return, for every image, hypotheses with their tokens, the attention map of every emitted
-word (and, for hard attention, the chosen location) and the caption's log-probability.
+Search talks to the model through two calls only: ``decoder.start(annotations) -> state`` and
+``decoder.step(words, state, hard_mode) -> (log_probs, alpha, location, state)``, with
+``state.select(rows)`` to reorder or drop rows. Greedy and beam search return, for every image,
+hypotheses with their tokens, the attention map of every emitted word (and, for hard attention
+decoded from one cell per word, the chosen location) and the caption's log-probability.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Any
 
 import torch
 
-from showattendtell.decoder import Decoder
+from showattendtell.decoder import Decoder, DecoderState
 from showattendtell.errors import UserError
 
 PAD, START, END, UNK = 0, 1, 2, 3
@@ -124,12 +128,6 @@ def _block_repeats(logp: torch.Tensor, histories: list[list[int]], n: int) -> to
     return logp
 
 
-def _mode(decoder: Decoder, hard_mode: str) -> str:
-    if decoder.config.attention == "soft" or hard_mode == "expectation":
-        return "soft"
-    return hard_mode  # "argmax" or "sample"
-
-
 @torch.inference_mode()
 def greedy_decode(
     decoder: Decoder,
@@ -143,27 +141,27 @@ def greedy_decode(
 
     no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption.
     """
-    B = annotations.size(0)
-    mode = _mode(decoder, hard_mode)
-    banned = banned_tokens(decoder.vocab_size, annotations.device, allow_unk)
-    projected = decoder.attention.project_annotations(annotations)
-    h, c = decoder.init_state(annotations)
-    words = torch.full((B,), START, dtype=torch.long, device=annotations.device)
-    active = torch.arange(B, device=annotations.device)
-    tokens = [[] for _ in range(B)]
-    alphas = [[] for _ in range(B)]
-    locs = [[] for _ in range(B)]
+    B, L, _ = annotations.shape
+    dev = annotations.device
+    state = decoder.start(annotations)
+    words = torch.full((B,), START, dtype=torch.long, device=dev)  # (N,) N rows still running
+    active = torch.arange(B, device=dev)  # (N,) the image of each running row
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    alphas: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    locs: list[list[int]] = [[] for _ in range(B)]
     logps = [0.0] * B
-    end_only = torch.arange(decoder.vocab_size, device=annotations.device) == END
+    one_cell = False
     for t in range(max_length + 1):
-        logp, h, c, alpha, s = decoder.step(
-            words, h, c, projected[active], annotations[active], mode
-        )
+        logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (N, V), (N, L), (N,)
+        if t == 0:
+            banned = banned_tokens(logp.size(1), dev, allow_unk)
+            not_end = torch.arange(logp.size(1), device=dev) != END
+            one_cell = s is not None
         logp = logp.masked_fill(banned, float("-inf"))
         logp = _block_repeats(logp, [tokens[b] for b in active.tolist()], no_repeat_ngram)
         if t == max_length:  # no room for another word: only <end> may follow
-            logp = logp.masked_fill(~end_only, float("-inf"))
-        best, words = logp.max(1)
+            logp = logp.masked_fill(not_end, float("-inf"))
+        best, words = logp.max(1)  # (N,), (N,)
         keep = []
         for j, b in enumerate(active.tolist()):
             logps[b] += float(best[j])
@@ -176,13 +174,13 @@ def greedy_decode(
             keep.append(j)
         if not keep:
             break
-        keep_t = torch.tensor(keep, device=annotations.device)
-        active, words, h, c = active[keep_t], words[keep_t], h[keep_t], c[keep_t]
-    L = annotations.size(1)
+        if len(keep) < len(active):  # captions that ended leave the batch
+            keep_t = torch.tensor(keep, device=dev)
+            active, words, state = active[keep_t], words[keep_t], state.select(keep_t)
     return [
         [Hypothesis(tokens[b], logps[b], logps[b],
                     torch.stack(alphas[b]) if alphas[b] else annotations.new_zeros(0, L),
-                    locs[b] if mode != "soft" else None)]
+                    locs[b] if one_cell else None)]
         for b in range(B)
     ]
 
@@ -205,29 +203,30 @@ def beam_search(
     log_prob / len**length_penalty, len counting <end>. no_repeat_ngram > 0: no n-gram of that
     size occurs twice in a caption. Returns the K best per image.
     """
-    B, L, D = annotations.shape
+    B, L, _ = annotations.shape
     K, dev = beam_size, annotations.device
-    V = decoder.vocab_size
-    mode = _mode(decoder, hard_mode)
-    banned = banned_tokens(V, dev, allow_unk)
-
-    feats = annotations.repeat_interleave(K, 0)  # (B*K, L, D)
-    projected = decoder.attention.project_annotations(feats)
-    h, c = decoder.init_state(feats)
+    # W_a a once per image, then K rows per image: beam k of image b is row b*K + k
+    state: DecoderState = decoder.start(annotations).select(
+        torch.arange(B, device=dev).repeat_interleave(K))
     words = torch.full((B * K,), START, dtype=torch.long, device=dev)
     scores = torch.full((B, K), float("-inf"), device=dev)
     scores[:, 0] = 0.0  # all beams start identical: keep one
-    hist_tokens = torch.zeros(B * K, 0, dtype=torch.long, device=dev)
-    hist_alpha = torch.zeros(B * K, 0, L, device=dev)
-    hist_loc = torch.zeros(B * K, 0, dtype=torch.long, device=dev)
+    hist_tokens = torch.zeros(B * K, 0, dtype=torch.long, device=dev)  # (B*K, t)
+    hist_alpha = torch.zeros(B * K, 0, L, device=dev)  # (B*K, t, L)
+    hist_loc = torch.zeros(B * K, 0, dtype=torch.long, device=dev)  # (B*K, t)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=dev)
+    one_cell = False
 
     def norm(logp: float, n: int) -> float:
         return logp / (n**length_penalty) if length_penalty else logp
 
     for t in range(max_length + 1):
-        logp, h, c, alpha, s = decoder.step(words, h, c, projected, feats, mode)
+        logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (B*K, V), (B*K, L)
+        V = logp.size(1)
+        if t == 0:
+            banned = banned_tokens(V, dev, allow_unk)
+            one_cell = s is not None
         logp = logp.masked_fill(banned, float("-inf"))
         logp = _block_repeats(logp, hist_tokens.tolist(), no_repeat_ngram)
         if t == max_length:  # no room for another word: only <end> may follow
@@ -243,7 +242,7 @@ def beam_search(
             n = hist_tokens.size(1)
             finished[b].append(Hypothesis(
                 hist_tokens[src].tolist(), float(top[b, j]), norm(float(top[b, j]), n + 1),
-                hist_alpha[src].clone(), hist_loc[src].tolist() if mode != "soft" else None,
+                hist_alpha[src].clone(), hist_loc[src].tolist() if one_cell else None,
             ))
         done |= torch.tensor([len(f) >= K for f in finished], device=dev)
         if bool(done.all()) or t == max_length:
@@ -259,7 +258,7 @@ def beam_search(
         words = word.gather(1, keep).view(-1)
         new_scores = torch.where(words.view(B, K) == END, float("-inf"), new_scores)
         scores = new_scores.masked_fill(done.unsqueeze(1), float("-inf"))
-        h, c = h[src], c[src]
+        state = state.select(src, same_images=True)  # src stays within each image's K rows
         hist_tokens = torch.cat([hist_tokens[src], words.unsqueeze(1)], 1)
         hist_alpha = torch.cat([hist_alpha[src], alpha[src].unsqueeze(1)], 1)
         if s is not None:
@@ -287,23 +286,24 @@ class SampledCaptions:
 
 @torch.no_grad()
 def sample_captions(
-    decoder: Decoder, annotations: torch.Tensor, max_length: int = 20, mode: str = "soft",
+    decoder: Decoder, annotations: torch.Tensor, max_length: int = 20,
+    hard_mode: str = "sample",
 ) -> SampledCaptions:
-    """One caption per image, each word (and, for hard attention with mode "sample", each
+    """One caption per image, each word (and, for hard attention with hard_mode "sample", each
     location) drawn from the model, for self-critical training: the caption's log-probability is
     then recomputed with gradients by a teacher-forced pass (mode "forced" for the locations).
     <pad>, <start> and <unk> are never drawn, as in decoding. A caption with no <end> after
     max_length words is cut there, without an <end>: forcing one would put a token the model did
     not choose, often at a tiny probability, into the gradient."""
     B, dev = annotations.size(0), annotations.device
-    banned = banned_tokens(decoder.vocab_size, dev, allow_unk=False)
-    projected = decoder.attention.project_annotations(annotations)
-    h, c = decoder.init_state(annotations)
+    state = decoder.start(annotations)
     words = torch.full((B,), START, dtype=torch.long, device=dev)
     captions, locations = [words], []
     ended = torch.zeros(B, dtype=torch.bool, device=dev)
     for t in range(max_length + 1):
-        logp, h, c, _, s = decoder.step(words, h, c, projected, annotations, mode)
+        logp, _, s, state = decoder.step(words, state, hard_mode)  # (B, V), _, (B,)
+        if t == 0:
+            banned = banned_tokens(logp.size(1), dev, allow_unk=False)
         logp = logp.masked_fill(banned, float("-inf"))
         words = torch.multinomial(logp.exp(), 1).squeeze(1)
         done = ended | ((words != END) if t == max_length else torch.zeros_like(ended))
@@ -314,6 +314,6 @@ def sample_captions(
         ended |= words == END
         if bool(ended.all()):
             break
-    caps = torch.stack(captions, 1)
+    caps = torch.stack(captions, 1)  # (B, T+1)
     lengths = (caps[:, 1:] != PAD).sum(1)
     return SampledCaptions(caps, lengths, torch.stack(locations, 1) if locations else None)

@@ -261,7 +261,7 @@ class CaptionModule(L.LightningModule):
         refs = [self._train_refs[i] for i in index.repeat_interleave(K).tolist()]
         dec.eval()
         try:
-            sampled = sample_captions(dec, a, cfg.max_length, "soft" if soft else "sample")
+            sampled = sample_captions(dec, a, cfg.max_length, hard_mode="sample")
             out = dec(a, sampled.captions, sampled.lengths, mode="soft" if soft else "forced",
                       locations=sampled.locations)
         finally:
