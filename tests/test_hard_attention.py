@@ -89,8 +89,28 @@ def test_lightning_module_moves_baseline_only_on_sampled_batches():
     a, caps, lengths = make_batch(D=2048)
     batch = {"inputs": a, "captions": caps, "lengths": lengths}
     loss, logs = module.compute_loss(batch)
-    b1 = float(module.baseline)
+    b1 = float(module.objective.baseline)
     assert b1 < 0 and "baseline" in logs  # 0.9 * 0 + 0.1 * (negative log-likelihood)
-    module.hard_cfg.expectation_prob = 1.0  # expected-context batches leave b alone
+    module.objective.config.expectation_prob = 1.0  # expected-context batches leave b alone
     module.compute_loss(batch)
-    assert float(module.baseline) == b1
+    assert float(module.objective.baseline) == b1
+
+
+def test_checkpoints_of_the_previous_layout_still_load():
+    """Before objectives were objects the baseline was the LightningModule's own buffer."""
+    from showattendtell.decoder import DecoderConfig
+    from showattendtell.encoder import EncoderConfig
+    from showattendtell.lit_module import CaptionModule
+
+    vocab = ["<pad>", "<start>", "<end>", "<unk>", "a", "b"]
+    enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
+    for attention in ("hard", "soft"):
+        module = CaptionModule(vocab, enc, DecoderConfig(attention, 8, 10, 6, 0.0))
+        state = {k: v for k, v in module.state_dict().items() if not k.startswith("objective.")}
+        state["baseline"] = torch.tensor(-3.5)
+        checkpoint = {"state_dict": state}
+        fresh = CaptionModule(vocab, enc, DecoderConfig(attention, 8, 10, 6, 0.0))
+        fresh.on_load_checkpoint(checkpoint)
+        fresh.load_state_dict(checkpoint["state_dict"])  # strict: no key left over or missing
+        if attention == "hard":
+            assert float(fresh.objective.baseline) == -3.5

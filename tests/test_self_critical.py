@@ -91,12 +91,12 @@ def expected_reward(module, feats, captions, samples=4) -> float:
     itos = module.model.vocab.itos
     cands = [" ".join(itos[w] for w in s.words(b)) for b in range(a.size(0))]
     refs = [[c] for c in captions for _ in range(samples)]
-    return sum(module._cider(cands, refs)) / len(cands)
+    return sum(module.objective.cider(cands, refs)) / len(cands)
 
 
 def test_self_critical_training_raises_the_expected_reward():
     module, feats, captions, vocab = shapes_module()
-    module.set_reward_references([[c] for c in captions])
+    module.objective.set_references([[c] for c in captions])
     caps, lengths = encode_captions(vocab, captions)
     dec = module.model.decoder
     opt = torch.optim.Adam(dec.parameters(), lr=3e-3)
@@ -153,7 +153,7 @@ def test_self_critical_log_prob_is_that_of_the_sampling_distribution(monkeypatch
 @needs_java
 def test_self_critical_reward_adds_the_weighted_meteor():
     module, feats, captions, vocab = shapes_module(meteor=2.0)
-    module.set_reward_references([[c] for c in captions])
+    module.objective.set_references([[c] for c in captions])
     caps, lengths = encode_captions(vocab, captions)
     idx = torch.arange(8)
     module.train()

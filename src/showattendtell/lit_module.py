@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -11,34 +10,20 @@ import torch
 import torch.distributed as dist
 
 from showattendtell.decoder import DecoderConfig
-from showattendtell.decoding import DecodingConfig, banned_tokens, sample_captions
+from showattendtell.decoding import DecodingConfig
 from showattendtell.encoder import EncoderConfig
 from showattendtell.errors import UserError
-from showattendtell.losses import (
-    hard_attention_loss,
-    self_critical_loss,
-    soft_attention_loss,
-    update_baseline,
-)
-from showattendtell.metrics import CiderDReward, MeteorReward, score_captions
+from showattendtell.losses import soft_attention_loss
+from showattendtell.metrics import score_captions
 from showattendtell.model import CaptionModel
-from showattendtell.vocab import Vocabulary, tokenize
+from showattendtell.objectives import HardAttentionConfig, make_objective
+from showattendtell.vocab import Vocabulary
 
 
 class TrainingConfigError(UserError, ValueError):
     """A training setting out of range; `sat train` prints the message, not a traceback."""
 
     exit_code = 2
-
-
-@dataclass
-class HardAttentionConfig:
-    """REINFORCE settings (Xu et al. section 4.1); used when decoder.attention is "hard"."""
-
-    reward_scale: float = 1.0  # lambda_r
-    entropy_weight: float = 0.002  # lambda_e
-    expectation_prob: float = 0.5  # per batch, use the expected (soft) context instead
-    baseline_decay: float = 0.9  # b <- 0.9 b + 0.1 log p(y | s, a)
 
 
 @dataclass
@@ -111,6 +96,7 @@ def load_checkpoint(path: str | Path) -> CaptionModule:
     ckpt = read_checkpoint(path)
     try:
         module = CaptionModule(**ckpt["hyper_parameters"])
+        module.on_load_checkpoint(ckpt)
         module.load_state_dict(ckpt["state_dict"])
     except (TypeError, KeyError, RuntimeError) as e:
         raise ModelFileError(f"checkpoint: {path} does not match this version of "
@@ -181,7 +167,9 @@ class CaptionModule(L.LightningModule):
             "self_critical_meteor": self_critical_meteor,
         })
         self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
-        self.register_buffer("baseline", torch.zeros(()))  # REINFORCE moving average
+        self.objective = make_objective(decoder.attention, doubly_stochastic, self.hard_cfg,
+                                        self_critical, self_critical_meteor,
+                                        self.val_decoding.max_length)
         self._val_predictions: dict[str, str] = {}
 
     def setup(self, stage: str) -> None:
@@ -198,15 +186,12 @@ class CaptionModule(L.LightningModule):
                     f"size than this run: {str(e).splitlines()[-1].strip()}") from None
 
     def on_fit_start(self) -> None:
-        if self.hparams.get("self_critical"):
-            self.set_reward_references([im.captions
-                                        for im in self.trainer.datamodule.train_set.images])
+        if hasattr(self.objective, "set_references"):  # self-critical: the training references
+            self.objective.set_references([im.captions
+                                           for im in self.trainer.datamodule.train_set.images])
 
-    def set_reward_references(self, captions: list[list[str]]) -> None:
-        """The references of every training image (by the batches' ``index``) for the reward."""
-        self._train_refs = [[" ".join(tokenize(c)) for c in caps] for caps in captions]
-        self._cider = CiderDReward(self._train_refs)
-        self._meteor = MeteorReward() if self.hparams.get("self_critical_meteor") else None
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.objective.migrate_state(checkpoint["state_dict"], "objective.")
 
     @property
     def attention(self) -> str:
@@ -222,73 +207,16 @@ class CaptionModule(L.LightningModule):
             return self.model.encoder(inputs)
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        a = self.annotations(batch["inputs"])
-        B = a.size(0)
-        lam = self.hparams.doubly_stochastic
-        if self.training and self.hparams.get("self_critical"):
-            return self.self_critical_terms(a, batch["index"])
-        if self.attention == "soft":
-            out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
-            terms = soft_attention_loss(out, B, lam)
-            return terms.loss, {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
-        cfg = self.hard_cfg
-        if self.training and random.random() >= cfg.expectation_prob:
-            out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="sample")
-            terms = hard_attention_loss(out, B, float(self.baseline), cfg.reward_scale,
-                                        cfg.entropy_weight)
-            new_b = update_baseline(float(self.baseline), terms.log_likelihood, cfg.baseline_decay)
-            self.baseline.fill_(new_b)
-            # the REINFORCE surrogate's value means nothing (only its gradient does): log the
-            # caption log-likelihood's loss instead, comparable with the expected-context batches
-            return terms.loss, {"nll": terms.nll, "baseline": self.baseline.clone(),
-                                "caption_nll": -terms.log_likelihood.mean()}
-        # the expected context: the soft-attention pass of the same network
-        out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
-        terms = soft_attention_loss(out, B, 0.0)
-        return terms.loss, {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
-
-    def self_critical_terms(self, a: torch.Tensor, index: torch.Tensor):
-        """Sample K captions per image and reward each with CIDEr-D (+ w * METEOR) against its
-        references, less the mean reward of the image's other K-1 samples (the baseline of Luo
-        2020, "a better variant of self-critical sequence training": no greedy pass, unbiased).
-
-        Dropout is off in both passes, so that the gradient is that of the distribution the
-        captions were drawn from. Hard attention samples its locations as well.
-        """
-        dec, K, cfg = self.model.decoder, int(self.hparams.self_critical), self.val_decoding
-        soft = self.attention == "soft"
-        a = a.repeat_interleave(K, 0)
-        refs = [self._train_refs[i] for i in index.repeat_interleave(K).tolist()]
-        dec.eval()
-        try:
-            sampled = sample_captions(dec, a, cfg.max_length, hard_mode="sample")
-            out = dec(a, sampled.captions, sampled.lengths, mode="soft" if soft else "forced",
-                      locations=sampled.locations)
-        finally:
-            dec.train()
-        itos = self.model.vocab.itos
-        captions = [" ".join(itos[w] for w in sampled.words(b)) for b in range(a.size(0))]
-        reward = torch.tensor(self._cider(captions, refs))
-        logs = {"reward_cider": reward.mean()}
-        if self._meteor is not None:
-            meteor = torch.tensor(self._meteor(captions, refs))
-            reward = reward + self.hparams.self_critical_meteor * meteor
-            logs["reward_meteor"] = meteor.mean()
-        per_image = reward.view(-1, K)
-        baseline = ((per_image.sum(1, keepdim=True) - per_image) / (K - 1)).view(-1)
-        banned = banned_tokens(dec.vocab_size, a.device)
-        terms = self_critical_loss(out, a.size(0), reward, baseline, banned)
-        return terms.loss, {"nll": terms.nll, "reward": reward.mean(), **logs}
+        """The run's objective on one batch: (loss, logs)."""
+        return self.objective(self.model, self.annotations(batch["inputs"]), batch)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if batch is None:
             return None
         loss, logs = self.compute_loss(batch)
         B = batch["captions"].size(0)
-        if self.attention == "soft":
-            self.log("train/loss", loss, prog_bar=True, batch_size=B)
         for k, v in logs.items():
-            self.log(f"train/{k}", v, prog_bar=k == "nll", batch_size=B)
+            self.log(f"train/{k}", v, prog_bar=k in ("loss", "nll"), batch_size=B)
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
