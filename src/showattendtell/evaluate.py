@@ -5,6 +5,10 @@ The last line of standard output is one JSON object keyed by the toolkit's metri
 everything else (counts, timings, where the captions went) goes to standard error. The generated
 captions are written in the COCO results format, ``[{"image_id": ..., "caption": ...}, ...]``:
 ``image_id`` is the COCO id (an int) for COCO, the image file name (a string) for Flickr.
+
+With ``--instances`` (COCO instance annotations of the split's photos) the JSON also has
+``"attention_correctness"``: how much of each generated word's attention lies on the masks of the
+COCO category it names (defined and aggregated in attention_correctness.py).
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
     p.add_argument("--no-spice", action="store_true", help="skip SPICE even if it can run")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--instances", default=None, metavar="FILE",
+                   help="COCO instance annotations of the split's photos "
+                        "(annotations/instances_<split><year>.json): also report attention "
+                        "correctness, the share of a word's attention on the masks of the COCO "
+                        "category it names (COCO photos only; others are skipped)")
     add_decoding_args(p)
     p.set_defaults(func=run)
 
@@ -67,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1 or args.num_workers < 0 or (args.limit is not None and args.limit < 1):
         raise EvaluateError("--batch-size and --limit must be positive, --num-workers >= 0")
+    if args.instances is not None and args.dataset == "flickr8k":
+        raise EvaluateError("--instances needs COCO photos (--dataset coco, or karpathy with "
+                            "dataset_coco.json): Flickr8k has no COCO instance annotations")
     decoding = decoding_overrides(args)
     # say so before spending minutes on captioning
     require_java("sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer "
@@ -75,12 +87,15 @@ def run(args: argparse.Namespace) -> int:
     split.require_images()
     images = split.images[: args.limit] if args.limit else split.images
     # a partly present split is scored on the images present (the loader warned with the count)
+    instances = _load_instances(args.instances, split) if args.instances is not None else None
 
     from showattendtell.inference import finite_or_none, load_model
 
     captioner = load_model(args.model, args.device)
     t0 = time.perf_counter()
+    kept: dict = {}  # image_id -> CaptionResult, for attention correctness
     captions, failed = caption_split(captioner, images, args.batch_size, args.num_workers,
+                                     on_result=kept.__setitem__ if instances is not None else None,
                                      **decoding)
     elapsed = time.perf_counter() - t0
     if not captions:
@@ -96,16 +111,50 @@ def run(args: argparse.Namespace) -> int:
 
     references = {k: by_id[k].captions for k in captions}
     scores = score_captions(captions, references, official=True, spice=not args.no_spice)
-    print(json.dumps({k: finite_or_none(v, 6) for k, v in scores.items()}, allow_nan=False))
+    out = {k: finite_or_none(v, 6) for k, v in scores.items()}
+    if instances is not None:
+        from showattendtell.attention_correctness import score_results
+
+        ac = score_results(instances, ((by_id[k].coco_id, r.words, r.attention, by_id[k].path)
+                                       for k, r in kept.items()))
+        out["attention_correctness"] = ac
+        found = (f"{ac['correctness']} of the attention on the category's masks, "
+                 f"{ac['uniform']} for uniform attention, ratio {ac['ratio']}" if ac["words"]
+                 else "no generated word names a COCO category of its photo")
+        print(f"attention correctness: {ac['words']} words in {ac['images']} photos "
+              f"({ac['skipped_images']} photos not in {args.instances} skipped): {found}",
+              file=sys.stderr)
+    print(json.dumps(out, allow_nan=False))
     return 0
 
 
+def _load_instances(path: str, split):
+    """The instances file, checked before any captioning: it must annotate some of the split's
+    COCO photos (an instances file of another split or year is a mistake, not zero words)."""
+    from showattendtell.attention_correctness import CocoInstances, InstancesError
+
+    ids = {im.coco_id for im in split.images if im.coco_id is not None}
+    if not ids:
+        raise EvaluateError(f"--instances needs COCO photos: the images of {split.name} have no "
+                            "COCO ids (use --dataset coco)")
+    instances = CocoInstances(path)
+    annotated = len(ids & instances.image_ids)
+    if not annotated:
+        raise InstancesError(f"{path} annotates none of the {len(ids)} photos of {split.name} "
+                             f"(its {len(instances.image_ids)} images have other ids: the "
+                             "instances file of another split or year?)")
+    log.info("%s annotates %d of the %d photos of %s; attention correctness skips the others",
+             path, annotated, len(ids), split.name)
+    return instances
+
+
 def caption_split(captioner, images: list, batch_size: int = 32, num_workers: int = 2,
-                  **decoding) -> tuple[dict[str, str], dict[str, str]]:
+                  on_result=None, **decoding) -> tuple[dict[str, str], dict[str, str]]:
     """Caption images in batches (decoded in DataLoader workers, encoded and decoded as a batch).
 
     Returns (image_id -> caption, image_id -> reason for the undecodable ones, which are
-    reported and skipped).
+    reported and skipped). ``on_result(image_id, CaptionResult)``, when given, receives each
+    full result (words, per-word attention) as it is made.
     """
     from showattendtell.data.feature_cache import RateLog
     from showattendtell.images import load_batches
@@ -126,6 +175,9 @@ def caption_split(captioner, images: list, batch_size: int = 32, num_workers: in
                 results = captioner.caption_annotations(captioner.encode(batch.tensors),
                                                         **decoding)
                 captions.update(zip(keys, (r.caption for r in results), strict=True))
+                if on_result is not None:
+                    for key, result in zip(keys, results, strict=True):
+                        on_result(key, result)
             advance(len(batch.items))
             rate(len(batch.items))
     return captions, failed
