@@ -28,16 +28,10 @@ from showattendtell.caption_output import (
     scan_output,
 )
 from showattendtell.cli_common import add_decoding_args, decoding_overrides
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError, UserError
 
 if TYPE_CHECKING:
     from showattendtell.inference import Captioner, CaptionResult
-
-
-class UsageError(UserError):
-    """A bad command line (missing path, conflicting options): exit status 2."""
-
-    exit_code = 2
 
 
 def default_workers() -> int:

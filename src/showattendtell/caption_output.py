@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError
 
 if TYPE_CHECKING:
     from showattendtell.inference import CaptionResult
@@ -34,10 +34,8 @@ _CSV_BEFORE_WARNINGS = CSV_FIELDS[:5]  # files written before the warning column
 JSONL_RECORD_START = '{"path": '  # how every JSON line we write begins
 
 
-class OutputError(UserError):
+class OutputError(UsageError):
     """The output file cannot be written or resumed; the message says what to do."""
-
-    exit_code = 2
 
 
 @dataclass

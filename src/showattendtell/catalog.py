@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
 DEFAULT_MODEL_ENV = "SAT_MODEL"
@@ -24,10 +24,8 @@ DEFAULT_BUNDLED = "flickr8k_lite2_soft.safetensors"
 MODEL_SUFFIX = ".safetensors"
 
 
-class ModelNotFound(UserError, ValueError):
+class ModelNotFound(UsageError, ValueError):
     """--model names no file and no known model; the message lists the names there are."""
-
-    exit_code = 2
 
 
 def bundled_models() -> list[Path]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from showattendtell.decoder import Decoder, DecoderState
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError
 
 PAD, START, END, UNK = 0, 1, 2, 3
 
@@ -27,10 +27,8 @@ MAX_CAPTION_LENGTH = 100
 MAX_LENGTH_PENALTY = 5.0
 
 
-class DecodingError(UserError, ValueError):
+class DecodingError(UsageError, ValueError):
     """A decoding option out of range; the message names the option and its allowed values."""
-
-    exit_code = 2
 
 
 def _integer(name: str, value: Any, lo: int, hi: int) -> int:

@@ -59,10 +59,10 @@ class Captioner:
     """A loaded model on a device, with its default decoding settings."""
 
     def __init__(self, model: CaptionModel, decoding: DecodingConfig, device: str = "auto",
-                 name: str = "model", info: dict | None = None):
+                 name: str = "model"):
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
-        self.decoding, self.name, self.info = decoding, name, info or {}
+        self.decoding, self.name = decoding, name
 
     @property
     def attention_type(self) -> str:
@@ -117,8 +117,8 @@ def load_model(path: str | Path | None = None, device: str = "auto") -> Captione
     """Load a model for captioning: a model file, a model's name (`sat models`), or None for
     the default model ($SAT_MODEL, else the bundled default)."""
     path = resolve_model(path)
-    model, decoding, info = read_model(path)
-    return Captioner(model, decoding, device, name=path.stem, info=info)
+    model, decoding, _ = read_model(path)
+    return Captioner(model, decoding, device, name=path.stem)
 
 
 def caption_images(captioner: Captioner, images: list, **decoding) -> list[CaptionResult]:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from showattendtell.decoder import DecoderConfig
 from showattendtell.decoding import DecodingConfig
 from showattendtell.encoder import EncoderConfig
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError
 from showattendtell.losses import soft_attention_loss
 from showattendtell.metrics import score_captions
 from showattendtell.model import CaptionModel
@@ -20,10 +20,8 @@ from showattendtell.objectives import HardAttentionConfig, make_objective
 from showattendtell.vocab import Vocabulary
 
 
-class TrainingConfigError(UserError, ValueError):
+class TrainingConfigError(UsageError, ValueError):
     """A training setting out of range; `sat train` prints the message, not a traceback."""
-
-    exit_code = 2
 
 
 @dataclass
@@ -242,12 +240,12 @@ class CaptionModule(L.LightningModule):
             return
         refs = self.trainer.datamodule.references()
         scores = score_captions(preds, refs, official=False)
-        for name in ("Bleu_1", "Bleu_4", "ROUGE_L", "CIDEr"):
-            self.log(f"val/{name}", scores[name], prog_bar=name in ("Bleu_4", "CIDEr"),
-                     rank_zero_only=True)
-        # a tensor-valued copy for ModelCheckpoint/EarlyStopping on every rank
-        self.log("val/bleu4", scores["Bleu_4"], sync_dist=True)
-        self.log("val/cider", scores["CIDEr"], sync_dist=True)
+        # every rank gathered the same predictions, so every rank logs the same values (which
+        # ModelCheckpoint and EarlyStopping monitor)
+        for key, name in (("bleu1", "Bleu_1"), ("bleu4", "Bleu_4"), ("rouge_l", "ROUGE_L"),
+                          ("cider", "CIDEr")):
+            self.log(f"val/{key}", scores[name], prog_bar=key in ("bleu4", "cider"),
+                     sync_dist=True)
 
     def on_train_start(self) -> None:
         # A run resumed from a checkpoint saved before the schedule was added (or changed) restarts

@@ -45,7 +45,6 @@ def hard_attention_loss(
     baseline: float,
     reward_scale: float = 1.0,
     entropy_weight: float = 0.002,
-    lam: float = 0.0,
 ) -> LossTerms:
     """Surrogate whose gradient is the paper's eq. 12 (the variational lower bound L_s):
 
@@ -59,10 +58,8 @@ def hard_attention_loss(
     ll = caption_log_likelihood(out, batch_size)
     reward = (ll.detach() - baseline) * reward_scale
     objective = ll + reward * out.location_log_prob + entropy_weight * out.entropy
-    loss = -objective.mean()
-    if lam:
-        loss = loss + lam * doubly_stochastic_penalty(out.alphas).mean()
-    return LossTerms(loss, -ll.sum() / out.targets.numel(), ll)
+    return LossTerms(-objective.mean(), -ll.sum() / out.targets.numel(), ll)
+
 
 
 def update_baseline(baseline: float, log_likelihood: torch.Tensor, decay: float = 0.9) -> float:

@@ -21,9 +21,6 @@ from showattendtell.vocab import tokenize
 
 log = logging.getLogger(__name__)
 
-METRIC_KEYS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr", "SPICE")
-
-
 class MetricsError(UserError, RuntimeError):
     """The official scorer cannot run here; the message says what to install."""
 

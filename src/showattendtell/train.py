@@ -13,16 +13,10 @@ from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
 
 from showattendtell.data.datamodule import CaptionDataModule
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError
 from showattendtell.lit_module import CaptionModule
 
 INTERRUPTED_CHECKPOINT = "interrupted.ckpt"
-
-
-class TrainUsageError(UserError):
-    """A config file that is missing or does not parse: exit status 2."""
-
-    exit_code = 2
 
 
 class SatCLI(LightningCLI):
@@ -66,7 +60,7 @@ def _check_config_files(args: list[str]) -> None:
         elif arg.startswith("--config="):
             value = arg.split("=", 1)[1]
         if value is not None and not Path(value).is_file():
-            raise TrainUsageError(f"--config {value}: no such file (the configs are in "
+            raise UsageError(f"--config {value}: no such file (the configs are in "
                                   "configs/, e.g. configs/flickr8k_lite2_soft.yaml)")
 
 
@@ -86,7 +80,7 @@ def build_cli(args: list[str]) -> SatCLI:
             parser_kwargs={"prog": "sat train", "default_env": False, "exit_on_error": False},
         )
     except ArgumentError as e:
-        raise TrainUsageError(f"{e} (`sat train --help` lists the options)") from None
+        raise UsageError(f"{e} (`sat train --help` lists the options)") from None
 
 
 def resume_command(args: list[str], checkpoint: Path) -> str:

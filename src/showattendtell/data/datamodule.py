@@ -223,6 +223,3 @@ def _seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
-def image_ids(dataset: ImagesWithReferences, index: torch.Tensor) -> list[str]:
-    return [dataset.pairs.images[int(i)].image_id for i in index]
-
