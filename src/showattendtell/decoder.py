@@ -193,44 +193,47 @@ class Decoder(nn.Module):
         training) or "forced" (hard, with s_t from ``locations`` (B, T))."""
         B, L, _ = annotations.shape
         lengths = lengths.to(annotations.device)
-        order = torch.argsort(lengths, descending=True, stable=True)
-        a, caps, lens = annotations[order], captions[order], lengths[order]
-        T = int(lens[0])
+        # Longest captions first: at step t the captions still running are rows [:n_t].
+        order = torch.argsort(lengths, descending=True, stable=True)  # (B,)
+        a, caps, lens = annotations[order], captions[order], lengths[order]  # (B, L, D) (B, T+1)
+        T = int(lens[0])  # steps of the longest caption
         batch_sizes = [int(n) for n in (lens.unsqueeze(0) > torch.arange(T, device=lens.device)
-                                         .unsqueeze(1)).sum(1).tolist()]
+                                         .unsqueeze(1)).sum(1).tolist()]  # n_t for t < T
 
         emb = self.embedding(caps[:, :T])  # (B, T, E): inputs y_0..y_{T-1}
         gate_x = self.gate_embed(emb)  # (B, T, 4H), all steps in one matmul
         projected = self.attention.project_annotations(a)  # (B, L, A), once per caption
-        h, c = self.init_state(a)
-        forced = locations[order] if locations is not None else None
+        h, c = self.init_state(a)  # (B, H) each
+        forced = locations[order] if locations is not None else None  # (B, T)
 
+        # per step t: h (n_t, H), z (n_t, D); alphas and the hard terms padded back to B rows
         hs, zs, alphas, logps, ents, locs = [], [], [], [], [], []
         for t, n in enumerate(batch_sizes):
             if n < h.size(0):  # captions that ended drop out (slicing a full batch would
                 # cost a zero-filled gradient buffer of W_a a per step in the backward pass)
                 h, c, projected, a = h[:n], c[:n], projected[:n], a[:n]
-            h, c, z, alpha, s = self.recurrent_step(
+            h, c, z, alpha, s = self.recurrent_step(  # (n, H) (n, H) (n, D) (n, L) (n,)
                 gate_x[:n, t], h, c, projected, a, mode,
                 None if forced is None else forced[:n, t],
             )
             hs.append(h)
             zs.append(z)
-            alphas.append(F.pad(alpha, (0, 0, 0, B - n)))
+            alphas.append(F.pad(alpha, (0, 0, 0, B - n)))  # (B, L), zero rows after the end
             if s is not None:
                 logp_s = torch.log(alpha.gather(1, s.unsqueeze(1)).squeeze(1).clamp_min(1e-12))
-                logps.append(F.pad(logp_s, (0, B - n)))
-                ents.append(F.pad(attention_entropy(alpha), (0, B - n)))
-                locs.append(F.pad(s, (0, B - n), value=-1))
+                logps.append(F.pad(logp_s, (0, B - n)))  # (B,) log alpha_{t, s_t}
+                ents.append(F.pad(attention_entropy(alpha), (0, B - n)))  # (B,) H[alpha_t]
+                locs.append(F.pad(s, (0, B - n), value=-1))  # (B,) s_t, -1 after the end
 
-        # Packed, time-major token order: step t holds the first batch_sizes[t] captions.
-        packed_emb = torch.cat([emb[:n, t] for t, n in enumerate(batch_sizes)])
-        logits = self.deep_output(packed_emb, torch.cat(hs), torch.cat(zs))
-        targets = torch.cat([caps[:n, t + 1] for t, n in enumerate(batch_sizes)])
-        caption_index = torch.cat([order[:n] for n in batch_sizes])
+        # Packed, time-major token order: step t holds the first batch_sizes[t] captions;
+        # N = sum_t n_t real tokens.
+        packed_emb = torch.cat([emb[:n, t] for t, n in enumerate(batch_sizes)])  # (N, E)
+        logits = self.deep_output(packed_emb, torch.cat(hs), torch.cat(zs))  # (N, V)
+        targets = torch.cat([caps[:n, t + 1] for t, n in enumerate(batch_sizes)])  # (N,)
+        caption_index = torch.cat([order[:n] for n in batch_sizes])  # (N,) original row
 
-        inverse = torch.argsort(order)
-        alphas_bt = torch.stack(alphas, 1)[inverse]
+        inverse = torch.argsort(order)  # back to the callers' caption order
+        alphas_bt = torch.stack(alphas, 1)[inverse]  # (B, T, L)
         hard = bool(logps)
         return TeacherForcedOutput(
             logits=logits,
