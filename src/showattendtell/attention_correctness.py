@@ -64,13 +64,12 @@ from pathlib import Path
 
 import numpy as np
 
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError
 
 
-class InstancesError(UserError, ValueError):
-    """The instances file is missing, is not COCO instance annotations, or is of other images."""
-
-    exit_code = 2
+class InstancesError(UsageError, ValueError):
+    """The instances file is missing, is not COCO instance annotations, or is of other images
+    (a UserError with exit status 2: the CLI prints one line)."""
 
 
 # -- words -> COCO categories ------------------------------------------------------------------
