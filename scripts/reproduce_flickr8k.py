@@ -71,7 +71,7 @@ def train_and_export(config: str, name: str, which: str, export: list[str],
                      extra: list[str]) -> Path:
     """Features (cached), training (resumed if interrupted), export of the ``which`` checkpoint
     (best by dev CIDEr, or last) to models/NAME.safetensors."""
-    run_dir = Path(yaml.safe_load(Path(config).read_text())["trainer"]["default_root_dir"])
+    run_dir = Path(yaml.safe_load(Path(config).read_text())["run"]["dir"])
     sat("features", "--config", config, *extra)
     last = run_dir / "checkpoints" / "last.ckpt"
     sat("train", "--config", config, *extra, *(["--ckpt_path", str(last)] if last.exists() else []))

@@ -74,7 +74,7 @@ def test_schedule_added_on_resume_matches_a_run_trained_with_it(trained_run, tmp
         resumed = final_lr([*schedule, "--ckpt_path", str(one_epoch)])
     finally:
         os.chdir(old)
-    assert from_start == pytest.approx(3e-3 * 0.5**3)  # halved after epochs 0, 1 and 2
+    assert from_start == pytest.approx(3e-3 * 0.5**2)  # epoch 2 (the third) trains at 1/4
     assert resumed == pytest.approx(from_start)
 
 
@@ -118,7 +118,7 @@ def test_hard_run_starts_from_the_soft_run(trained_run, tmp_path):
     for source in (soft, exported):
         out = tmp_path / source.suffix[1:]
         hard_args = [*args, "--model.decoder.attention", "hard", "--model.init_from", str(source),
-                     "--trainer.max_epochs", "0", "--trainer.default_root_dir", str(out)]
+                     "--trainer.max_epochs", "0", "--run.dir", str(out)]
         module = _fit_and_return_module(hard_args)
         assert module.attention == "hard"
         for k, v in module.model.decoder.state_dict().items():

@@ -25,7 +25,7 @@ def test_each_stage_starts_from_the_model_the_stage_before_exported():
     for config, export in zip(trains, exports, strict=True):
         cfg = yaml.safe_load((ROOT / config).read_text())
         assert cfg["model"].get("init_from") == previous, config
-        run_dir = cfg["trainer"]["default_root_dir"]
+        run_dir = cfg["run"]["dir"]
         assert export[2].startswith(f"{run_dir}/checkpoints/"), (config, export)
         if previous:  # a fine-tuning stage: exported as an interpolation with its start
             assert export[export.index("--interpolate") + 1] == previous

@@ -31,7 +31,13 @@ class OptimizerConfig:
     encoder_lr: float = 1e-4  # for the fine-tuned encoder stages, if any
     weight_decay: float = 0.0
     lr_decay: float = 1.0  # multiply the learning rates by this ...
-    lr_decay_every: int = 1  # ... every this many epochs (StepLR)
+    lr_decay_every: int = 1  # ... every this many epochs
+
+    def lr_factor(self, epoch: int) -> float:
+        """The schedule in closed form (nanoGPT's get_lr): a function of the epoch alone, so a
+        resumed run, or one resumed under a schedule it did not start with, gets the learning
+        rate a run trained with this schedule from the start has at that epoch."""
+        return self.lr_decay ** (epoch // self.lr_decay_every)
 
 
 def read_checkpoint(path: str | Path, option: str = "checkpoint") -> dict:
@@ -215,6 +221,7 @@ class CaptionModule(L.LightningModule):
         B = batch["captions"].size(0)
         for k, v in logs.items():
             self.log(f"train/{k}", v, prog_bar=k in ("loss", "nll"), batch_size=B)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=B)
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -247,19 +254,13 @@ class CaptionModule(L.LightningModule):
             self.log(f"val/{key}", scores[name], prog_bar=key in ("bleu4", "cider"),
                      sync_dist=True)
 
-    def on_train_start(self) -> None:
-        # A run resumed from a checkpoint saved before the schedule was added (or changed) restarts
-        # StepLR's epoch count at 0; put it where a run trained with this schedule from the start
-        # would be, so that one config reproduces a run that was resumed with a new schedule.
-        for config in self.trainer.lr_scheduler_configs:
-            sched = config.scheduler
-            if isinstance(sched, torch.optim.lr_scheduler.StepLR) and \
-                    sched.last_epoch != self.current_epoch:
-                sched.last_epoch = self.current_epoch
-                for group, lr in zip(sched.optimizer.param_groups, sched._get_closed_form_lr(),
-                                     strict=True):
-                    group["lr"] = lr
-                sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """Set this epoch's learning rates from the config (not from a restored optimizer)."""
+        cfg = self.opt_cfg
+        factor = cfg.lr_factor(self.current_epoch)
+        groups = self.trainer.optimizers[0].param_groups  # decoder, then the encoder's if any
+        for group, base in zip(groups, (cfg.lr, cfg.encoder_lr), strict=False):
+            group["lr"] = base * factor
 
     def configure_optimizers(self):
         cfg = self.opt_cfg
@@ -273,7 +274,4 @@ class CaptionModule(L.LightningModule):
             opt = torch.optim.RMSprop(groups, weight_decay=cfg.weight_decay)
         else:
             raise ValueError(f"optimizer.name must be adam or rmsprop, not {cfg.name!r}")
-        if cfg.lr_decay == 1.0:
-            return opt
-        sched = torch.optim.lr_scheduler.StepLR(opt, cfg.lr_decay_every, cfg.lr_decay)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+        return opt

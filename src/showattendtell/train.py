@@ -6,11 +6,14 @@ from __future__ import annotations
 import shlex
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 from jsonargparse import ArgumentError
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from showattendtell.data.datamodule import CaptionDataModule
 from showattendtell.errors import UsageError
@@ -19,14 +22,65 @@ from showattendtell.lit_module import CaptionModule
 INTERRUPTED_CHECKPOINT = "interrupted.ckpt"
 
 
+# What every run shares unless its config says otherwise (nanoGPT's defaults-in-code spirit):
+# an experiment's YAML holds only what differs. `sat train --config X --print_config` shows all.
+TRAINER_DEFAULTS = {"gradient_clip_val": 5.0}
+SEED_DEFAULT = 1234
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes and which checkpoint it keeps.
+
+    Args:
+        dir: the run's folder: checkpoints/ (best-EPOCH.ckpt by ``monitor``, last.ckpt every
+            epoch, interrupted.ckpt on Ctrl-C), logs/ (CSV) and tb/ (TensorBoard).
+        monitor: the validation score that picks the best checkpoint and stops early
+            (val/bleu1, val/bleu4, val/rouge_l or val/cider; higher is better).
+        patience: stop after this many validations without a better ``monitor`` (null: never).
+    """
+
+    dir: str = "runs/default"
+    monitor: str = "val/cider"
+    patience: int | None = 5
+
+
+def run_loggers(run: RunConfig) -> list:
+    return [CSVLogger(run.dir, name="logs"), TensorBoardLogger(run.dir, name="tb")]
+
+
+def run_callbacks(run: RunConfig) -> list[L.Callback]:
+    folder = f"{run.dir}/checkpoints"
+    callbacks: list[L.Callback] = [
+        ModelCheckpoint(dirpath=folder, filename="best-{epoch:02d}", monitor=run.monitor,
+                        mode="max", save_top_k=1),
+        ModelCheckpoint(dirpath=folder, filename="last"),  # the latest epoch, for resuming
+    ]
+    if run.patience is not None:
+        callbacks.append(EarlyStopping(monitor=run.monitor, mode="max", patience=run.patience,
+                                       check_on_train_epoch_end=False))
+    return callbacks
+
+
 class SatCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_class_arguments(RunConfig, "run")
+        parser.link_arguments("run.dir", "trainer.default_root_dir")
         # The feature cache must match the model's encoder; the model's vocabulary comes from
         # the training captions.
         parser.link_arguments("model.encoder", "data.encoder", apply_on="parse")
         parser.link_arguments("data.vocab_words", "model.vocab", apply_on="instantiate")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="resume training from this checkpoint (e.g. .../last.ckpt)")
+
+    def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        """The Trainer with the run's loggers and checkpoints (and any the config adds)."""
+        run: RunConfig = self._get(self.config_init, "run")
+        trainer = self._get(self.config_init, "trainer", default={})
+        if trainer.get("logger") in (None, True):
+            kwargs.setdefault("logger", run_loggers(run))
+        kwargs["callbacks"] = [*(trainer.get("callbacks") or []), *run_callbacks(run)]
+        return super().instantiate_trainer(**kwargs)
 
 
 class SaveOnInterrupt(L.Callback):
@@ -76,6 +130,8 @@ def build_cli(args: list[str]) -> SatCLI:
             CaptionDataModule,
             run=False,
             args=args,
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=SEED_DEFAULT,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": "sat train", "default_env": False, "exit_on_error": False},
         )
