@@ -1,0 +1,133 @@
+"""Attention overlays for the web UI, on a colour scale labelled with real attention weights.
+
+``showattendtell.overlay`` stretches every map to its own maximum (used as is for the caption
+sheet). Here the scale is explicit: colour ``0 .. vmax`` where ``vmax`` is either the word's own
+largest weight or the largest weight over every word of the caption (a fixed scale, so a nearly
+uniform map looks pale next to a focused one), and the bar beside the large view is labelled
+with ``vmax``, 0 and the uniform level ``1/L`` (L = grid cells).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw
+
+from showattendtell.overlay import colorize, colour_bar, label_font
+
+SCALES = ("word", "caption")  # colour scale: each word's own maximum, or the caption's
+SCALE_CHOICES = [("each word: 0 to its own largest weight", "word"),
+                 ("whole caption: 0 to the largest weight of any word", "caption")]
+OPACITY = 0.55  # as showattendtell.overlay
+
+
+def resized(image: Image.Image, size: int) -> Image.Image:
+    """The image shrunk (never enlarged) so that its longer side is at most ``size``."""
+    scale = min(1.0, size / max(image.size))
+    return image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
+                        Image.Resampling.BICUBIC)
+
+
+def scale_max(attention: np.ndarray, index: int, scale: str = "word") -> float:
+    """The weight drawn at the top of the colour scale for word ``index``."""
+    if scale not in SCALES:
+        raise ValueError(f"colour scale must be one of {', '.join(SCALES)}, not {scale!r}")
+    grid = attention if scale == "caption" else attention[index]
+    return max(float(np.max(grid)), 1e-12)
+
+
+def overlay(image: Image.Image, grid: np.ndarray, vmax: float,
+            location: tuple[int, int] | None = None) -> Image.Image:
+    """One word's attention (bicubic-upsampled) blended over the image, colour 0..vmax; the
+    cell hard attention chose (``location``) gets a white frame."""
+    image = image.convert("RGB")
+    w, h = image.size
+    t = torch.as_tensor(np.asarray(grid, np.float32))[None, None]
+    up = F.interpolate(t, size=(h, w), mode="bicubic", align_corners=False)[0, 0].numpy()
+    heat = np.clip(up / vmax, 0.0, 1.0)
+    rgb = np.asarray(image, dtype=np.float32)
+    a = OPACITY * heat[..., None] ** 0.5  # stronger where attention is high
+    out = Image.fromarray((rgb * (1 - a) + colorize(heat).astype(np.float32) * a).astype(np.uint8))
+    if location is not None:
+        g = grid.shape[0]
+        r, c = location
+        box = (c * w / g, r * h / g, (c + 1) * w / g - 1, (r + 1) * h / g - 1)
+        ImageDraw.Draw(out).rectangle(box, outline=(255, 255, 255), width=max(2, w // 150))
+    return out
+
+
+def weight_label(x: float) -> str:
+    return f"{x:.3f}" if x >= 0.001 else f"{x:.1e}"
+
+
+def with_colour_bar(image: Image.Image, vmax: float, cells: int) -> Image.Image:
+    """The image with the colour scale on its right: labelled ``vmax`` at the top, 0 at the
+    bottom, and a tick at the uniform level 1/cells when it lies within the scale."""
+    pad, bar_w, text_w = 8, 14, 96
+    out = Image.new("RGB", (image.width + pad * 2 + bar_w + text_w, image.height), "white")
+    out.paste(image, (0, 0))
+    x_bar = image.width + pad
+    out.paste(colour_bar(image.height, bar_w), (x_bar, 0))
+    draw = ImageDraw.Draw(out)
+    font = label_font(12)
+    x = x_bar + bar_w + pad
+    black = (0, 0, 0)
+    draw.text((x, 0), weight_label(vmax), fill=black, font=font)
+    draw.text((x, image.height - 14), "0", fill=black, font=font)
+    uniform = 1.0 / cells
+    if uniform <= vmax:
+        y = round((1 - uniform / vmax) * (image.height - 1))
+        draw.line([(x_bar - 3, y), (x_bar + bar_w + 2, y)], fill=black, width=2)
+        ty = min(max(y - 7, 16), image.height - 30)  # keep clear of the top and bottom labels
+        draw.text((x, ty), f"uniform 1/{cells}", fill=black, font=font)
+    return out
+
+
+def located(state: dict[str, Any], i: int) -> tuple[int, int] | None:
+    return tuple(state["locations"][i]) if state.get("locations") else None
+
+
+def word_label(state: dict[str, Any], i: int) -> str:
+    """A word's gallery label: the word, its largest weight, and the cell hard attention chose."""
+    label = f"{state['words'][i]}  (max {weight_label(float(np.max(state['attention'][i])))}"
+    loc = located(state, i)
+    if loc is not None:
+        label += f", row {loc[0]}, col {loc[1]}"
+    return label + ")"
+
+
+def gallery(state: dict[str, Any] | None, scale: str = "word") -> list:
+    """(panel, label) for every word, on the chosen colour scale."""
+    if not state:
+        return []
+    att = state["attention"]
+    return [(overlay(state["small"], att[i], scale_max(att, i, scale), located(state, i)),
+             word_label(state, i)) for i in range(len(state["words"]))]
+
+
+def scale_note(state: dict[str, Any], i: int, scale: str, vmax: float) -> str:
+    cells = int(np.prod(state["attention"].shape[1:]))
+    g = state["attention"].shape[-1]
+    whose = ("the largest weight of any word of this caption" if scale == "caption"
+             else f"the largest weight of “{state['words'][i]}”")
+    return (f"Colour scale: 0 (photo shows through) to **{weight_label(vmax)}** (dark red) = "
+            f"{whose}. Each word's weights sum to 1 over the {g}x{g} grid, so uniform "
+            f"attention would be 1/{cells} = {weight_label(1 / cells)} on every cell; this "
+            f"word's largest weight is {weight_label(float(np.max(state['attention'][i])))}.")
+
+
+def word_view(state: dict[str, Any] | None, index: int | None,
+              scale: str = "word") -> tuple[Image.Image | None, str]:
+    """The large overlay of one word with its labelled colour scale, and a line saying what the
+    scale means (empty without a caption)."""
+    if not state or index is None or not 0 <= int(index) < len(state["words"]):
+        return None, ""
+    i = int(index)
+    att = state["attention"]
+    vmax = scale_max(att, i, scale)
+    cells = int(np.prod(att.shape[1:]))
+    view = with_colour_bar(overlay(state["image"], att[i], vmax, located(state, i)), vmax, cells)
+    return view, scale_note(state, i, scale, vmax)

@@ -1,0 +1,74 @@
+"""Reading an untrusted upload as Gradio hands it over, and the example photos.
+
+Uploads reach the service as file paths inside Gradio's upload folder (the events run with
+``preprocess=False``), or as inline data URLs; :func:`read_upload` decodes them only with
+``showattendtell.images.open_image``, which refuses decompression bombs before reading pixels.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from showattendtell.images import IMAGE_SUFFIXES, ImageError, open_image
+
+from .worker import ServiceError
+
+MAX_EXAMPLES = 8
+EXAMPLES_DIR = Path(__file__).parent / "examples"  # shipped with the package (README.md there)
+
+NO_IMAGE = "no image: upload, paste or pick an example image first"
+
+
+def upload_source(upload: Any, max_bytes: int | None = None) -> str | bytes:
+    """The file path (or data-URL bytes) of an upload as Gradio hands it over unprocessed."""
+    if upload is None or upload == "" or upload == {}:
+        raise ServiceError(NO_IMAGE)
+    if isinstance(upload, dict):
+        if upload.get("path"):
+            return str(upload["path"])
+        upload = upload.get("url") or ""
+    if isinstance(upload, (str, Path)) and str(upload).startswith("data:"):
+        try:
+            data = base64.b64decode(str(upload).split(",", 1)[1], validate=False)
+        except (IndexError, binascii.Error):
+            raise ImageError("the pasted image data is not valid base64") from None
+        if max_bytes is not None and len(data) > max_bytes:
+            raise ImageError(f"the image is larger than the {max_bytes / 2**20:g} MB limit")
+        return data
+    if isinstance(upload, (str, Path)) and str(upload):
+        return str(upload)
+    raise ServiceError(NO_IMAGE)
+
+
+def read_upload(upload: Any, max_bytes: int | None = None) -> Image.Image:
+    """Decode an upload (a Gradio file dict, a path, a data URL, bytes or a PIL image) to an
+    upright RGB image. An ImageError names the file as the user knows it, not by its path on
+    the server."""
+    source = (upload if isinstance(upload, (bytes, Image.Image))
+              else upload_source(upload, max_bytes))
+    try:
+        return open_image(source)
+    except ImageError as e:
+        if not isinstance(source, str):
+            raise
+        name = upload.get("orig_name") if isinstance(upload, dict) else None
+        raise ImageError(str(e).replace(source, name or Path(source).name)) from None
+
+
+def find_examples(paths: Sequence[str | Path] | None = None,
+                  limit: int = MAX_EXAMPLES) -> list[Path]:
+    """Example photos: the given files/folders (None: the photos shipped in service/examples)."""
+    candidates = [EXAMPLES_DIR] if paths is None else [Path(p) for p in paths]
+    found: list[Path] = []
+    for p in candidates:
+        if p.is_dir():
+            found += sorted(f for f in p.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+        elif p.is_file():
+            found.append(p)
+    return [f.resolve() for f in found[:limit]]

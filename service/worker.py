@@ -1,0 +1,169 @@
+"""The loaded models and the one worker thread that runs them, batching concurrent requests."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import astuple, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from showattendtell.catalog import bundled_models, default_model_path, resolve_model
+from showattendtell.decoding import DecodingConfig
+from showattendtell.errors import UserError
+from showattendtell.images import image_warning, preprocess
+from showattendtell.inference import Captioner, CaptionResult, load_model
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(UserError):
+    """A request the service cannot answer (no image, an unknown model)."""
+
+
+@dataclass
+class _Job:
+    captioner: Captioner
+    tensor: torch.Tensor
+    decoding: DecodingConfig  # complete: the model's defaults with the request's overrides
+    future: Future = field(default_factory=Future)
+
+    @property
+    def key(self) -> tuple:
+        """Jobs with equal keys are decoded together: same model and every decoding value."""
+        return (self.captioner.name, astuple(self.decoding))
+
+
+class CaptionService:
+    """Loaded models plus one worker thread that runs them.
+
+    Requests decode and preprocess their image on their own (Gradio worker) thread, then queue
+    the tensor. The worker takes everything queued at that moment (up to ``max_batch``), groups
+    it by model and complete decoding settings, and encodes + decodes each group as one batch. A
+    lone request therefore waits for nothing, and under load the requests that piled up during
+    the previous batch share the next one. Running torch on a single thread also keeps concurrent
+    requests from oversubscribing the CPU cores.
+
+    Each captioner's ``decoding`` is the default of its requests (the model file's stored
+    settings with the `sat serve` decoding options applied); a request's options override it.
+    """
+
+    def __init__(self, captioners: dict[str, Captioner], max_batch: int = 8,
+                 max_upload_bytes: int = 10 * 2**20):
+        if not captioners:
+            raise ServiceError("no model to serve")
+        self.captioners = captioners
+        self.max_upload_bytes = max_upload_bytes  # for images sent inline (data URLs)
+        self.max_batch = max(1, max_batch)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="caption-worker", daemon=True)
+        self._worker.start()
+        self.batch_sizes: list[int] = []  # observed batch sizes (for tests and benchmarks)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.captioners)
+
+    def get(self, name: str | None) -> Captioner:
+        if not name:
+            return next(iter(self.captioners.values()))
+        if name not in self.captioners:
+            raise ServiceError(f"unknown model {name!r}; available: {', '.join(self.captioners)}")
+        return self.captioners[name]
+
+    def decoding(self, name: str | None, **overrides: Any) -> DecodingConfig:
+        """The settings a request gets: the model's defaults with ``overrides`` (None: keep),
+        checked by DecodingConfig (a DecodingError names a value out of range)."""
+        return self.get(name).decoding.with_overrides(**overrides)
+
+    def caption(self, image: Image.Image, model: str | None = None,
+                decoding: DecodingConfig | None = None, timeout: float = 300.0) -> CaptionResult:
+        """Caption one decoded RGB image (batched with concurrent requests); ``decoding``
+        None: the model's defaults. The result's warning flags a degenerate photo."""
+        captioner = self.get(model)
+        job = _Job(captioner, preprocess(image, captioner.input_size),
+                   decoding or captioner.decoding)
+        self._queue.put(job)
+        result = job.future.result(timeout=timeout)
+        result.warning = image_warning(image)
+        return result
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            jobs, stop = [first], False
+            while len(jobs) < self.max_batch:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stop = True
+                    break
+                jobs.append(job)
+            groups: dict[tuple, list[_Job]] = {}
+            for job in jobs:
+                groups.setdefault(job.key, []).append(job)
+            for group in groups.values():
+                self._run_group(group)
+            if stop:
+                return
+
+    def _run_group(self, group: list[_Job]) -> None:
+        self.batch_sizes.append(len(group))
+        first = group[0]
+        try:
+            annotations = first.captioner.encode(torch.stack([j.tensor for j in group]))
+            results = first.captioner.caption_annotations(annotations,
+                                                          **first.decoding.to_dict())
+        except Exception as e:  # keep serving; every waiting request gets the error
+            log.exception("captioning failed")
+            for job in group:
+                job.future.set_exception(e)
+            return
+        for job, result in zip(group, results, strict=True):
+            job.future.set_result(result)
+
+
+def model_paths(specs: Sequence[str | Path] | None) -> list[Path]:
+    """The model files that --model names (paths or model names, `sat models`), or the default
+    model and any other bundled ones. Every spec is resolved before any model loads: an unknown
+    name is a ModelNotFound (exit status 2) listing the names there are."""
+    if specs:
+        return [resolve_model(s) for s in specs]
+    found = [default_model_path()]
+    return found + [p for p in bundled_models() if p != found[0]]
+
+
+def load_service(specs: Sequence[str | Path] | None = None, device: str = "auto",
+                 max_batch: int = 8, decoding: Mapping[str, Any] | None = None) -> CaptionService:
+    """Load every model (named by file stem) onto ``device`` and start the worker.
+
+    ``decoding``: options (None values: keep each model's stored one) that replace the stored
+    defaults of every model; checked before any model loads.
+    """
+    overrides = dict(decoding or {})
+    DecodingConfig().with_overrides(**overrides)  # a bad value fails before the slow part
+    captioners: dict[str, Captioner] = {}
+    for path in model_paths(specs):
+        captioner = load_model(path, device)
+        name = path.stem
+        if name in captioners:  # same stem in two folders
+            name = f"{path.parent.name}/{path.stem}"
+        captioner.name = name
+        captioner.decoding = captioner.decoding.with_overrides(**overrides)
+        captioners[name] = captioner
+        log.info("loaded %s (%s attention) on %s", name, captioner.attention_type,
+                 captioner.device)
+    return CaptionService(captioners, max_batch=max_batch)
