@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from showattendtell.batch import Writer, caption_files, default_workers
+from showattendtell.caption_output import Writer
 from showattendtell.images import list_images
 from showattendtell.inference import Captioner, load_model
+from showattendtell.pipeline import caption_files, default_workers
 
 DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared/data/coco2017_val_subset/images"
 

@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from showattendtell.caption_output import (
     FORMATS,
     OutputError,
-    Record,
     ResumePoint,
     Writer,
     open_output,
@@ -29,14 +27,10 @@ from showattendtell.caption_output import (
 )
 from showattendtell.cli_common import add_decoding_args, decoding_overrides
 from showattendtell.errors import UsageError, UserError
+from showattendtell.pipeline import Record, default_workers
 
 if TYPE_CHECKING:
-    from showattendtell.inference import Captioner, CaptionResult
-
-
-def default_workers() -> int:
-    """Image-decoding worker processes: one per core, at most 4 (the CNN needs cores too)."""
-    return min(4, os.cpu_count() or 1)
+    from showattendtell.inference import Captioner
 
 
 def add_parser(sub) -> None:
@@ -71,35 +65,6 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     add_decoding_args(p)
     p.set_defaults(func=run)
-
-
-# --------------------------------------------------------------------------- captioning
-
-
-def caption_files(captioner: Captioner, paths: list[str], batch_size: int = 16,
-                  workers: int | None = None, **decoding: Any) -> Iterator[Record]:
-    """Caption image files; yields one Record per path, in input order, as batches finish.
-
-    Encoding and decoding are batched (greedy for beam 1, batched beam search otherwise); image
-    decoding overlaps with them in worker processes.
-    """
-    from showattendtell.images import load_batches
-
-    workers = default_workers() if workers is None else workers
-    pin = captioner.device.type == "cuda"
-    for batch in load_batches(paths, captioner.input_size, batch_size, workers, pin):
-        results: list[CaptionResult] = []
-        if batch.tensors is not None:
-            annotations = captioner.encode(batch.tensors.to(captioner.device, non_blocking=pin))
-            results = captioner.caption_annotations(annotations, **decoding)
-        it = iter(results)
-        for item in batch.items:
-            if item.error is not None:
-                yield Record(item.path, error=item.error)
-            else:
-                result = next(it)
-                result.warning = item.warning
-                yield Record(item.path, result=result)
 
 
 # --------------------------------------------------------------------------- overlays
@@ -220,18 +185,21 @@ def run(args: argparse.Namespace) -> int:
 def _caption_loop(captioner: Captioner, todo: list[str], args: argparse.Namespace,
                   decoding: dict[str, Any], writer: Writer, fresh: bool, overlays: Path | None,
                   skipped: int) -> int:
-    from showattendtell.progress import ProgressBar
+    from showattendtell.pipeline import caption_files
+    from showattendtell.progress import Progress
 
     ok, failures = 0, []
-    show_bar = sys.stderr.isatty() and (writer.stream is not None or sys.stdout.isatty())
+    # a bar on a terminal, unless the records go to a pipe; log lines when stderr is no terminal
+    bar = sys.stderr.isatty() and (writer.stream is not None or sys.stdout.isatty())
+    show = True if bar else (False if sys.stderr.isatty() else None)
     interrupted = False
     write_error: OSError | None = None
     try:
         if fresh:
             writer.header()
-        with ProgressBar(len(todo), "captioning", enabled=show_bar) as advance:
+        with Progress(len(todo), "captioning", enabled=show) as progress:
             for rec in caption_files(captioner, todo, args.batch_size, args.workers,
-                                     **decoding):
+                                     progress, **decoding):
                 if rec.result is not None and overlays is not None:
                     try:
                         write_overlay(overlays, rec)
@@ -244,7 +212,6 @@ def _caption_loop(captioner: Captioner, todo: list[str], args: argparse.Namespac
                     failures.append(rec)
                 else:
                     ok += 1
-                advance(1)
     except KeyboardInterrupt:
         interrupted = True
     except BrokenPipeError:  # `sat caption DIR | head`: the reader has gone; stop quietly

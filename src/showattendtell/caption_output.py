@@ -25,7 +25,7 @@ from typing import IO, TYPE_CHECKING
 from showattendtell.errors import UsageError
 
 if TYPE_CHECKING:
-    from showattendtell.inference import CaptionResult
+    from showattendtell.pipeline import Record
 
 FORMATS = ("jsonl", "csv")
 CSV_FIELDS = ("path", "caption", "score", "log_prob", "error", "warning")
@@ -36,15 +36,6 @@ JSONL_RECORD_START = '{"path": '  # how every JSON line we write begins
 
 class OutputError(UsageError):
     """The output file cannot be written or resumed; the message says what to do."""
-
-
-@dataclass
-class Record:
-    """One output line: a caption result or an error, for the image at ``path``."""
-
-    path: str
-    result: CaptionResult | None = None
-    error: str | None = None
 
 
 def record_dict(rec: Record, with_attention: bool) -> dict:

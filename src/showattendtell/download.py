@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -259,7 +258,9 @@ def _transfer(url: str, part: Path, a: Archive) -> None:
             mode, have = "wb", 0
         length = resp.headers.get("Content-Length")
         total = have + int(length) if length is not None else a.size
-        with open(part, mode) as f, _ByteProgress(a.name, total, have) as advance:
+        from showattendtell.progress import Progress
+
+        with open(part, mode) as f, Progress(total, a.name, "B", every_s=30, done=have) as advance:
             while True:
                 chunk = resp.read(CHUNK)
                 if not chunk:
@@ -277,48 +278,6 @@ def _content_range_start(header: str) -> int | None:
         return int(header.split()[1].split("-")[0])
     except (IndexError, ValueError):
         return None
-
-
-class _ByteProgress:
-    """A download bar on a terminal; a log line every 30 s otherwise."""
-
-    def __init__(self, label: str, total: int | None, done: int):
-        self.label, self.total, self.done = label, total, done
-        self.tty = sys.stderr.isatty()
-        self.t0 = self.last = time.monotonic()
-        self.start_done = done
-        self._progress = None
-
-    def __enter__(self):
-        if self.tty:
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self._progress = Progress(TextColumn(self.label), BarColumn(), DownloadColumn(),
-                                      TransferSpeedColumn(), TimeRemainingColumn())
-            self._progress.start()
-            task = self._progress.add_task(self.label, total=self.total, completed=self.done)
-            return lambda n: self._progress.advance(task, n)
-        return self._log
-
-    def _log(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self.last >= 30:
-            self.last = now
-            speed = (self.done - self.start_done) / max(now - self.t0, 1e-9)
-            of = f" of {self.total / 1e6:.0f}" if self.total else ""
-            log.info("%s: %.0f%s MB, %.1f MB/s", self.label, self.done / 1e6, of, speed / 1e6)
-
-    def __exit__(self, *exc) -> None:
-        if self._progress is not None:
-            self._progress.stop()
 
 
 # -- verifying ----------------------------------------------------------------------------------

@@ -150,36 +150,28 @@ def _load_instances(path: str, split):
 
 def caption_split(captioner, images: list, batch_size: int = 32, num_workers: int = 2,
                   on_result=None, **decoding) -> tuple[dict[str, str], dict[str, str]]:
-    """Caption images in batches (decoded in DataLoader workers, encoded and decoded as a batch).
+    """Caption a split's images through the one pipeline (pipeline.caption_files).
 
     Returns (image_id -> caption, image_id -> reason for the undecodable ones, which are
     reported and skipped). ``on_result(image_id, CaptionResult)``, when given, receives each
     full result (words, per-word attention) as it is made.
     """
-    from showattendtell.data.feature_cache import RateLog
-    from showattendtell.images import load_batches
-    from showattendtell.progress import ProgressBar
+    from showattendtell.pipeline import caption_files
+    from showattendtell.progress import Progress
 
-    batches = load_batches([im.path for im in images], captioner.input_size, batch_size,
-                           num_workers, pin_memory=captioner.device.type == "cuda")
     captions: dict[str, str] = {}
     failed: dict[str, str] = {}
-    rate = RateLog(len(images), label="captions")
-    with ProgressBar(len(images), "captions") as advance:
-        for batch in batches:
-            for i, reason in batch.failures():
-                log.warning("skipping undecodable image: %s", reason)
-                failed[images[i].image_id] = reason
-            keys = [images[i].image_id for i in batch.decoded()]
-            if keys:
-                results = captioner.caption_annotations(captioner.encode(batch.tensors),
-                                                        **decoding)
-                captions.update(zip(keys, (r.caption for r in results), strict=True))
-                if on_result is not None:
-                    for key, result in zip(keys, results, strict=True):
-                        on_result(key, result)
-            advance(len(batch.items))
-            rate(len(batch.items))
+    with Progress(len(images), "captions") as progress:
+        records = caption_files(captioner, [im.path for im in images], batch_size, num_workers,
+                                progress, **decoding)
+        for im, rec in zip(images, records, strict=True):
+            if rec.result is None:
+                log.warning("skipping undecodable image: %s: %s", rec.path, rec.error)
+                failed[im.image_id] = rec.error
+                continue
+            captions[im.image_id] = rec.result.caption
+            if on_result is not None:
+                on_result(im.image_id, rec.result)
     return captions, failed
 
 

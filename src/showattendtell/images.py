@@ -177,15 +177,20 @@ class ImageFiles(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> LoadedImage:
-        path = self.paths[i]
-        try:
-            img = open_image(path)
-            return LoadedImage(i, path, tensor=preprocess(img, self.input_size),
-                               warning=image_warning(img))
-        except ImageError as e:
-            return LoadedImage(i, path, error=_strip_path(str(e), path))
-        except Exception as e:  # noqa: BLE001 - a decoder bug on one file must not stop the run
-            return LoadedImage(i, path, error=f"{type(e).__name__}: {e}".strip())
+        return load_image(self.paths[i], self.input_size, i)
+
+
+def load_image(path: str, input_size: int, index: int = 0) -> LoadedImage:
+    """Decode and preprocess one file; never raises: a bad file gives a LoadedImage with an
+    error (a decoder bug on one file must not stop a run over thousands)."""
+    try:
+        img = open_image(path)
+        return LoadedImage(index, path, tensor=preprocess(img, input_size),
+                           warning=image_warning(img))
+    except ImageError as e:
+        return LoadedImage(index, path, error=_strip_path(str(e), path))
+    except Exception as e:  # noqa: BLE001
+        return LoadedImage(index, path, error=f"{type(e).__name__}: {e}".strip())
 
 
 def _strip_path(message: str, path: str) -> str:

@@ -99,6 +99,11 @@ class Captioner:
             ))
         return results
 
+    def caption_batch(self, images: torch.Tensor, **decoding) -> list[CaptionResult]:
+        """Preprocessed images (B, 3, S, S) -> their results: the encode-and-decode step of the
+        image pipeline (pipeline.py), also run by the web service on its own batches."""
+        return self.caption_annotations(self.encode(images), **decoding)
+
     def caption(self, images: list, **decoding) -> list[CaptionResult]:
         """Caption images (paths, bytes or PIL images) as one batch.
 
@@ -107,7 +112,7 @@ class Captioner:
         self.decoding.with_overrides(**decoding)  # bad options fail before any work
         decoded = [open_image(im) for im in images]
         batch = torch.stack([preprocess(im, self.input_size) for im in decoded])
-        results = self.caption_annotations(self.encode(batch), **decoding)
+        results = self.caption_batch(batch, **decoding)
         for img, result in zip(decoded, results, strict=True):
             result.warning = image_warning(img)
         return results

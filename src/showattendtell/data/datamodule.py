@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from showattendtell.data.datasets import CaptionedImage, Split, load_split
 from showattendtell.data.feature_cache import FeatureCache
 from showattendtell.encoder import Encoder, EncoderConfig
-from showattendtell.images import ImageError, open_image, preprocess
+from showattendtell.images import load_image
 from showattendtell.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -28,11 +28,10 @@ class _Source:
     def __call__(self, im: CaptionedImage) -> torch.Tensor | None:
         if self.cache is not None:
             return self.cache.get(im.image_id)
-        try:
-            return preprocess(open_image(im.path), self.input_size)
-        except ImageError as e:  # reported and skipped, never a crash mid-epoch
-            log.warning("skipping undecodable image %s", e)
-            return None
+        loaded = load_image(str(im.path), self.input_size)
+        if loaded.error is not None:  # reported and skipped, never a crash mid-epoch
+            log.warning("skipping undecodable image %s: %s", im.path, loaded.error)
+        return loaded.tensor
 
 
 class CaptionPairs(Dataset):

@@ -32,8 +32,8 @@ import torch
 from showattendtell.data.datasets import CaptionedImage
 from showattendtell.encoder import Encoder, EncoderConfig
 from showattendtell.errors import UserError
-from showattendtell.images import load_batches
-from showattendtell.progress import ProgressBar
+from showattendtell.pipeline import encode_files
+from showattendtell.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -138,31 +138,30 @@ class FeatureCache:
         if not todo:
             return 0
         encoder = encoder.to(device).eval()
-        size = encoder.config.input_size
-        batches = load_batches([im.path for im in todo], size, batch_size, num_workers)
         keys: list[str] = []
         rows: list[np.ndarray] = []
         done = 0
-        bar_enabled = None if progress else False
-        rate = RateLog(len(todo), enabled=progress)
-        with torch.inference_mode(), ProgressBar(len(todo), "features", bar_enabled) as bar:
-            for batch in batches:
+        t0 = time.monotonic()
+        with torch.inference_mode(), Progress(len(todo), "features",
+                                              None if progress else False) as bar:
+            for batch, grids in encode_files([im.path for im in todo], encoder,
+                                             encoder.config.input_size, batch_size, num_workers,
+                                             device, bar):
                 for i, reason in batch.failures():
                     log.warning("skipping %s: %s", todo[i].image_id, reason)
                     self.failed[todo[i].image_id] = reason
-                if batch.tensors is not None:
-                    feats = encoder(batch.tensors.to(device)).to(torch.float16).cpu().numpy()
+                if grids is not None:
                     keys += [todo[i].image_id for i in batch.decoded()]
-                    rows.append(feats)
+                    rows.append(grids.to(torch.float16).cpu().numpy())
                 while len(keys) >= shard_size:
                     done += self._write_shard(keys[:shard_size], rows, shard_size)
                     keys = keys[shard_size:]
-                bar(len(batch.items))
-                rate(len(batch.items))
         if keys:
             done += self._write_shard(keys, rows, len(keys))
         self._write_failed()
-        rate.finish(done, self.size_bytes())
+        elapsed = time.monotonic() - t0
+        log.info("features: stored %d images in %.0f s (%.1f img/s); cache now %.2f GB", done,
+                 elapsed, len(todo) / max(elapsed, 1e-9), self.size_bytes() / 1e9)
         return done
 
     def _write_failed(self) -> None:
@@ -188,35 +187,3 @@ class FeatureCache:
             self.index[key] = (s, row)
         self._write_failed()  # an interrupted run keeps the failures found so far
         return n
-
-
-class RateLog:
-    """Progress lines for runs without a terminal (logs, batch jobs), where the bar is silent."""
-
-    def __init__(self, total: int, enabled: bool = True, every_s: float = 60.0,
-                 label: str = "features"):
-        self.total, self.every_s, self.label = total, every_s, label
-        self.enabled = enabled and not _stderr_isatty()
-        self.start = self.last = time.monotonic()
-        self.count = 0
-
-    def __call__(self, n: int) -> None:
-        self.count += n
-        now = time.monotonic()
-        if self.enabled and now - self.last >= self.every_s:
-            self.last = now
-            speed = self.count / max(now - self.start, 1e-9)
-            eta = (self.total - self.count) / speed if speed else float("inf")
-            log.info("%s: %d/%d images, %.1f img/s, %.0f min left",
-                     self.label, self.count, self.total, speed, eta / 60)
-
-    def finish(self, stored: int, size: int) -> None:
-        elapsed = time.monotonic() - self.start
-        log.info("features: stored %d images in %.0f s (%.1f img/s); cache now %.2f GB",
-                 stored, elapsed, self.count / max(elapsed, 1e-9), size / 1e9)
-
-
-def _stderr_isatty() -> bool:
-    import sys
-
-    return sys.stderr.isatty()

@@ -1,0 +1,63 @@
+"""The one image pipeline (pipeline.py) and its progress reporter (progress.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from synthetic import make_example
+
+from showattendtell.inference import load_model
+from showattendtell.pipeline import caption_files, encode_files
+from showattendtell.progress import Progress
+
+
+def write_inputs(tmp_path, n: int = 5) -> list[str]:
+    rng = np.random.default_rng(1)
+    paths = []
+    for i in range(n):
+        p = tmp_path / f"{i}.png"
+        make_example(rng)[0].save(p)
+        paths.append(str(p))
+    (tmp_path / "bad.jpg").write_text("not an image")
+    paths.insert(2, str(tmp_path / "bad.jpg"))
+    return paths
+
+
+def test_caption_files_keeps_every_input_in_order(tiny_model_file, tmp_path):
+    paths = write_inputs(tmp_path)
+    captioner = load_model(tiny_model_file, "cpu")
+    with Progress(len(paths), "captions", enabled=False) as progress:
+        records = list(caption_files(captioner, paths, batch_size=2, workers=0,
+                                     progress=progress, beam_size=1))
+    assert [r.path for r in records] == paths and progress.done == len(paths)
+    assert records[2].result is None and "not an image" in records[2].error
+    alone = [r.caption for r in captioner.caption([p for p in paths if "bad" not in p],
+                                                  beam_size=1)]
+    assert [r.result.caption for r in records if r.result] == alone  # batches change nothing
+
+
+def test_encode_files_gives_the_grids_of_the_decoded_inputs(tiny_model_file, tmp_path):
+    paths = write_inputs(tmp_path, 3)
+    captioner = load_model(tiny_model_file, "cpu")
+    seen = []
+    for batch, grids in encode_files(paths, captioner.encode, captioner.input_size, 3, 0):
+        assert grids.shape[:2] == (len(batch.decoded()), captioner.model.grid ** 2)
+        seen += [item.path for item in batch.items]
+    assert seen == paths
+
+
+def test_progress_writes_lines_without_a_terminal(caplog):
+    caplog.set_level(logging.INFO, logger="showattendtell.progress")
+    with Progress(10, "captions", every_s=0.0) as progress:  # stderr is no terminal here
+        progress(4)
+        progress(6)
+    assert "captions: 4/10 images" in caplog.text and "captions: 10/10 images" in caplog.text
+    caplog.clear()
+    with Progress(2_000_000, "file.zip", unit="B", every_s=0.0, done=500_000) as progress:
+        progress(500_000)
+    assert "file.zip: 1 of 2 MB" in caplog.text
+    caplog.clear()
+    with Progress(3, "quiet", enabled=False) as progress:
+        progress(3)
+    assert caplog.text == ""
