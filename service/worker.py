@@ -124,9 +124,8 @@ class CaptionService:
         self.batch_sizes.append(len(group))
         first = group[0]
         try:
-            annotations = first.captioner.encode(torch.stack([j.tensor for j in group]))
-            results = first.captioner.caption_annotations(annotations,
-                                                          **first.decoding.to_dict())
+            results = first.captioner.caption_batch(torch.stack([j.tensor for j in group]),
+                                                    **first.decoding.to_dict())
         except Exception as e:  # keep serving; every waiting request gets the error
             log.exception("captioning failed")
             for job in group:
