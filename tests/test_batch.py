@@ -17,9 +17,9 @@ import pytest
 from conftest import COCO_SUBSET, needs_coco_subset
 from PIL import Image
 
-from showattendtell.batch import overlay_name
 from showattendtell.caption_output import scan_output
 from showattendtell.cli import main
+from showattendtell.commands.caption import overlay_name
 
 pytestmark = needs_coco_subset
 

@@ -133,7 +133,7 @@ def test_hard_run_starts_from_the_soft_run(trained_run, tmp_path):
 
 
 def _fit_and_return_module(args: list[str]):
-    from showattendtell.train import build_cli
+    from showattendtell.commands.train import build_cli
 
     cli = build_cli(args[1:])
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)

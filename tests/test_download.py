@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from showattendtell import download
 from showattendtell.cli import main
+from showattendtell.commands import data as download
 from showattendtell.data.datasets import DatasetError, load_split
 
 

@@ -1,0 +1,45 @@
+"""`sat export`: a training checkpoint -> a self-describing, pickle-free model file."""
+
+from __future__ import annotations
+
+import argparse
+
+from showattendtell.cli_common import add_decoding_args, decoding_overrides
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a training checkpoint as a model file")
+    p.add_argument("checkpoint", help="Lightning .ckpt written by sat train")
+    p.add_argument("output", help="model file to write (.safetensors)")
+    p.add_argument("--half", action="store_true", help="store weights as float16")
+    p.add_argument("--interpolate", metavar="MODEL", default=None,
+                   help="export alpha * checkpoint + (1 - alpha) * MODEL (WiSE-FT: a fine-tuned "
+                        "checkpoint moved back toward the model file it started from)")
+    p.add_argument("--alpha", type=float, default=0.5,
+                   help="the checkpoint's weight with --interpolate (default 0.5)")
+    add_decoding_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from showattendtell.decoding import DecodingConfig
+    from showattendtell.lit_module import load_checkpoint
+    from showattendtell.model_file import ModelFileError, save_model
+
+    decoding = DecodingConfig().with_overrides(**decoding_overrides(args))
+    module = load_checkpoint(args.checkpoint)
+    info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
+    if args.interpolate:
+        from showattendtell.catalog import resolve_model
+        from showattendtell.model_file import read_model
+
+        start, _, _ = read_model(resolve_model(args.interpolate))
+        try:
+            module.model.interpolate_(start, args.alpha)
+        except ValueError as e:
+            raise ModelFileError(f"cannot interpolate {args.checkpoint} with "
+                                 f"{args.interpolate}: {e}") from None
+        info.update(interpolated_with=str(args.interpolate), alpha=args.alpha)
+    path = save_model(module.model, args.output, decoding, half=args.half, info=info)
+    print(f"wrote {path}")
+    return 0
