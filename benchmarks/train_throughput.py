@@ -2,7 +2,7 @@
 
 Times the full training step (forward, loss with the doubly stochastic / REINFORCE terms,
 backward, Adam step) of the optimised decoder and of a plain per-step baseline that recomputes
-the attention projection every word (tests/reference_decoder.py), and the machine's fp32 matmul
+the attention projection every word (showattendtell/reference.py), and the machine's fp32 matmul
 rate in the same run. Prints a table, then one JSON object as the last line.
 
     python benchmarks/train_throughput.py --grid 14 --feature-dim 2048 --batch 64 --vocab 10000
@@ -14,19 +14,13 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain reference implementation lives with the tests
-
-from reference_decoder import reference_soft_loss  # noqa: E402
-
-from showattendtell.decoder import Decoder, DecoderConfig  # noqa: E402
-from showattendtell.losses import hard_attention_loss, soft_attention_loss  # noqa: E402
+from showattendtell.decoder import Decoder, DecoderConfig
+from showattendtell.losses import hard_attention_loss, soft_attention_loss
+from showattendtell.reference import reference_soft_loss
 
 
 def sync(device: torch.device) -> None:

@@ -1,27 +1,7 @@
 import torch
+from helpers import make_batch, small_decoder
 
-from showattendtell.decoder import Decoder, DecoderConfig
 from showattendtell.losses import doubly_stochastic_penalty, soft_attention_loss
-
-
-def make_batch(B=4, T=7, L=9, D=12, V=30, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(B, L, D, generator=g)
-    lengths = torch.randint(2, T + 1, (B,), generator=g)
-    lengths[0] = T
-    caps = torch.zeros(B, T + 1, dtype=torch.long)
-    for b, n in enumerate(lengths.tolist()):
-        caps[b, 0] = 1
-        caps[b, 1:n] = torch.randint(4, V, (n - 1,), generator=g)
-        caps[b, n] = 2
-    return a, caps, lengths
-
-
-def small_decoder(V=30, D=12, attention="soft", seed=0):
-    torch.manual_seed(seed)
-    cfg = DecoderConfig(attention=attention, embed_dim=8, hidden_dim=10, attention_dim=6,
-                        dropout=0.0)
-    return Decoder(V, D, cfg)
 
 
 def test_attention_weights_sum_to_one_at_every_step():

@@ -3,22 +3,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import feats, trained_like_decoder
 from synthetic import make_example
-from test_attention import small_decoder
 
 from showattendtell.decoding import END, UNK, beam_search, greedy_decode
-
-
-def trained_like_decoder(attention="soft"):
-    dec = small_decoder(attention=attention, seed=2).eval()
-    with torch.no_grad():  # make <end> plausible so that captions end at different lengths
-        dec.out_vocab.bias[END] += 2.0
-        dec.out_vocab.bias[UNK] += 5.0  # <unk> would win if it were allowed
-    return dec
-
-
-def feats(B=5, L=9, D=12, seed=0):
-    return torch.randn(B, L, D, generator=torch.Generator().manual_seed(seed))
 
 
 def test_beam_of_one_equals_greedy():

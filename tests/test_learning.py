@@ -5,18 +5,13 @@ import random
 import pytest
 import torch
 from conftest import FLICKR8K, RESNET50_CAFFE, needs_flickr8k, needs_resnet50
+from helpers import encode_captions
 from synthetic import GRID, make_dataset
-from torch.nn.utils.rnn import pad_sequence
 
 from showattendtell.decoder import Decoder, DecoderConfig
 from showattendtell.decoding import greedy_decode
 from showattendtell.losses import hard_attention_loss, soft_attention_loss, update_baseline
 from showattendtell.vocab import Vocabulary
-
-
-def encode_captions(vocab, captions):
-    ids = [torch.tensor(vocab.encode(c)) for c in captions]
-    return pad_sequence(ids, batch_first=True), torch.tensor([len(i) - 1 for i in ids])
 
 
 @pytest.mark.slow

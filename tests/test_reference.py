@@ -1,11 +1,11 @@
 """The optimised decoder computes exactly the equations of the plain reference implementation."""
 
 import torch
-from reference_decoder import reference_greedy, reference_soft_loss
-from test_attention import make_batch, small_decoder
+from helpers import make_batch, small_decoder
 
 from showattendtell.decoding import greedy_decode
 from showattendtell.losses import soft_attention_loss
+from showattendtell.reference import reference_greedy, reference_soft_loss
 
 
 def test_same_loss_and_gradients_as_the_reference():

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from helpers import encode_captions
 from synthetic import make_dataset
-from test_learning import encode_captions
 
 from showattendtell.decoder import DecoderConfig
 from showattendtell.decoding import END, PAD, START, UNK, sample_captions
@@ -124,7 +124,7 @@ def test_self_critical_training_raises_the_expected_reward():
 def test_self_critical_log_prob_is_that_of_the_sampling_distribution(monkeypatch):
     """The gradient must be that of the distribution sampled from: without <pad>, <start>, <unk>
     (the test decoder favours <unk>, so the full softmax would differ a lot)."""
-    from test_decoding import feats, trained_like_decoder
+    from helpers import feats, trained_like_decoder
 
     from showattendtell.decoding import banned_tokens
     from showattendtell.losses import self_critical_loss

@@ -2,8 +2,9 @@
 
 Written as directly as possible from the paper, reading the weights of a ``Decoder``: every step
 recomputes W_a a_i, runs every caption of the batch (padding masked), and applies the output
-layer step by step. The tests check the optimised decoder against it, and
-benchmarks/train_throughput.py uses it as the baseline.
+layer step by step. An oracle, not used by the library: the tests check the optimised decoder
+against it, and benchmarks/train_throughput.py uses it as the baseline; it lives in the package
+so that both import it the same way.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 import itertools
 
 import torch
-from test_attention import make_batch, small_decoder
+from helpers import make_batch, small_decoder
 
 from showattendtell.losses import caption_log_likelihood, hard_attention_loss, update_baseline
 

@@ -1,0 +1,46 @@
+"""Small shared builders for the tests: random batches, tiny decoders, encoded captions."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from showattendtell.decoder import Decoder, DecoderConfig
+from showattendtell.decoding import END, UNK
+
+
+def make_batch(B=4, T=7, L=9, D=12, V=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(B, L, D, generator=g)
+    lengths = torch.randint(2, T + 1, (B,), generator=g)
+    lengths[0] = T
+    caps = torch.zeros(B, T + 1, dtype=torch.long)
+    for b, n in enumerate(lengths.tolist()):
+        caps[b, 0] = 1
+        caps[b, 1:n] = torch.randint(4, V, (n - 1,), generator=g)
+        caps[b, n] = 2
+    return a, caps, lengths
+
+
+def small_decoder(V=30, D=12, attention="soft", seed=0):
+    torch.manual_seed(seed)
+    cfg = DecoderConfig(attention=attention, embed_dim=8, hidden_dim=10, attention_dim=6,
+                        dropout=0.0)
+    return Decoder(V, D, cfg)
+
+
+def trained_like_decoder(attention="soft"):
+    dec = small_decoder(attention=attention, seed=2).eval()
+    with torch.no_grad():  # make <end> plausible so that captions end at different lengths
+        dec.out_vocab.bias[END] += 2.0
+        dec.out_vocab.bias[UNK] += 5.0  # <unk> would win if it were allowed
+    return dec
+
+
+def feats(B=5, L=9, D=12, seed=0):
+    return torch.randn(B, L, D, generator=torch.Generator().manual_seed(seed))
+
+
+def encode_captions(vocab, captions):
+    ids = [torch.tensor(vocab.encode(c)) for c in captions]
+    return pad_sequence(ids, batch_first=True), torch.tensor([len(i) - 1 for i in ids])

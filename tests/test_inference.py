@@ -1,0 +1,58 @@
+"""load_model / Captioner / caption_images: what every entry point calls."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from synthetic import make_example
+
+from showattendtell import caption_images, load_model
+from showattendtell.images import preprocess
+from showattendtell.inference import CaptionResult, finite_or_none, resolve_device
+
+
+def test_finite_or_none():
+    assert finite_or_none(-1.234567, 4) == -1.2346
+    assert finite_or_none(float("nan"), 4) is None and finite_or_none(-math.inf, 4) is None
+
+
+def test_results_are_strict_json_even_with_a_non_finite_score():
+    r = CaptionResult("a dog", ["a", "dog"], float("-inf"), float("nan"),
+                      np.zeros((2, 2, 2)), None, [], warning="tiny")
+    d = r.to_dict(with_attention=True)
+    assert d["score"] is None and d["log_prob"] is None and d["warning"] == "tiny"
+    json.dumps(d, allow_nan=False)
+
+
+def test_caption_batch_equals_caption_and_caption_images(tiny_model_file):
+    captioner = load_model(tiny_model_file, "cpu")
+    rng = np.random.default_rng(5)
+    images = [make_example(rng)[0] for _ in range(3)]
+    batch = torch.stack([preprocess(im, captioner.input_size) for im in images])
+    a = [r.caption for r in captioner.caption_batch(batch, beam_size=2)]
+    b = [r.caption for r in captioner.caption(images, beam_size=2)]
+    c = [r.caption for r in caption_images(captioner, images, beam_size=2)]
+    assert a == b == c
+    r = captioner.caption(images[:1])[0]
+    g = captioner.model.grid
+    assert r.attention.shape == (len(r.words), g, g)
+    assert np.allclose(r.attention.sum((1, 2)), 1.0, atol=1e-4)  # each word's map sums to 1
+
+
+def test_the_stored_decoding_is_the_default(tiny_model_file):
+    captioner = load_model(tiny_model_file, "cpu")
+    assert captioner.decoding.beam_size == 3 and captioner.decoding.max_length == 8
+    image = make_example(np.random.default_rng(0))[0]
+    assert len(captioner.caption([image])[0].beams) == 3  # beam 3 keeps its 3 best
+    assert len(captioner.caption([image], beam_size=1)[0].beams) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_asking_for_cuda_without_a_gpu_says_so():
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        resolve_device("cuda")
+    assert resolve_device("auto").type == "cpu"

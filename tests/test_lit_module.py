@@ -1,0 +1,52 @@
+"""The LightningModule: the objective chosen once from the config, the closed-form schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_batch
+
+from showattendtell.decoder import DecoderConfig
+from showattendtell.encoder import EncoderConfig
+from showattendtell.lit_module import CaptionModule, OptimizerConfig
+from showattendtell.losses import soft_attention_loss
+from showattendtell.objectives import HardAttentionReinforce, MaximumLikelihood, SelfCritical
+
+VOCAB = ["<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(26)]]
+ENCODER = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
+
+
+def module(attention="soft", **kw) -> CaptionModule:
+    return CaptionModule(VOCAB, ENCODER, DecoderConfig(attention, 8, 10, 6, 0.0), **kw)
+
+
+@pytest.mark.parametrize("attention,kw,kind", [
+    ("soft", {}, MaximumLikelihood), ("hard", {}, HardAttentionReinforce),
+    ("soft", {"self_critical": 3}, SelfCritical), ("hard", {"self_critical": 2}, SelfCritical),
+])
+def test_the_objective_is_chosen_once_from_the_config(attention, kw, kind):
+    assert type(module(attention, **kw).objective) is kind
+
+
+def test_maximum_likelihood_is_the_soft_loss_with_the_doubly_stochastic_term():
+    m = module(doubly_stochastic=0.7)
+    a, caps, lengths = make_batch(D=2048, V=len(VOCAB))
+    loss, logs = m.compute_loss({"inputs": a, "captions": caps, "lengths": lengths})
+    expected = soft_attention_loss(m.model.decoder(a, caps, lengths), a.size(0), 0.7).loss
+    torch.testing.assert_close(loss, expected)
+    assert set(logs) == {"loss", "nll", "caption_nll"}
+
+
+def test_the_learning_rate_is_a_closed_form_of_the_epoch():
+    cfg = OptimizerConfig(lr=2e-4, lr_decay=0.2, lr_decay_every=6)
+    assert [cfg.lr_factor(e) for e in (0, 5, 6, 11, 12)] == pytest.approx([1, 1, 0.2, 0.2, 0.04])
+    assert OptimizerConfig().lr_factor(100) == 1.0  # no decay unless asked
+
+
+def test_bad_settings_are_config_errors():
+    from showattendtell.lit_module import TrainingConfigError
+
+    with pytest.raises(TrainingConfigError, match="self_critical_meteor"):
+        module(self_critical=2, self_critical_meteor=-1.0)
+    with pytest.raises(ValueError, match="adam or rmsprop"):
+        module(optimizer=OptimizerConfig(name="sgd")).configure_optimizers()

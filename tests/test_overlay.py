@@ -1,0 +1,56 @@
+"""Attention overlays: the heatmap follows the grid, a frame marks a chosen cell only."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from showattendtell.inference import CaptionResult
+from showattendtell.overlay import (
+    caption_sheet,
+    colour_bar,
+    overlay_attention,
+    upsample_attention,
+    word_panels,
+)
+
+
+def result(words=("a", "red", "circle"), g=3, locations=None) -> CaptionResult:
+    att = np.full((len(words), g, g), 0.01, np.float32)
+    for i in range(len(words)):
+        att[i, i % g, i % g] = 1.0 - 0.01 * (g * g - 1)
+    return CaptionResult(" ".join(words), list(words), -1.0, -1.0, att, locations, [])
+
+
+def test_upsampled_attention_peaks_where_the_grid_does():
+    grid = np.zeros((3, 3), np.float32)
+    grid[0, 2] = 1.0  # top right
+    heat = upsample_attention(grid, 90, 60)
+    assert heat.shape == (60, 90) and heat.max() == 1.0 and heat.min() >= 0.0
+    assert heat[10, 80] > 0.8 and heat[50, 10] < 0.1  # cell (0, 2) covers x 60-90, y 0-20
+
+
+def test_a_frame_marks_the_chosen_cell_and_nothing_else():
+    image = Image.new("RGB", (90, 90), (0, 0, 0))
+    grid = np.full((3, 3), 1 / 9, np.float32)
+    framed = np.asarray(overlay_attention(image, grid, location=(1, 2)))
+    plain = np.asarray(overlay_attention(image, grid))
+    assert (framed[30:60, 60] == 255).all()  # the left edge of cell (row 1, col 2)
+    assert not (plain == 255).all(axis=2).any()  # no white pixel without a location
+
+
+def test_panels_and_sheet_have_one_panel_per_word():
+    image = Image.new("RGB", (320, 240), (20, 120, 200))
+    r = result()
+    panels = word_panels(image, r, size=100)
+    assert len(panels) == 3 and all(max(p.size) == 100 for p in panels)
+    sheet = caption_sheet(image, r, panel=80, columns=2)
+    assert sheet.width >= 2 * 80 and sheet.height > 2 * 80
+    empty = CaptionResult("", [], -1.0, -1.0, np.zeros((0, 3, 3)), None, [])
+    assert caption_sheet(image, empty).size[0] > 0  # an empty caption still gives a sheet
+
+
+def test_colour_bar_runs_from_high_at_the_top_to_low():
+    bar = np.asarray(colour_bar(50, 10)).astype(int)
+    assert bar.shape == (50, 10, 3)
+    assert bar[0, 0, 0] > bar[0, 0, 2] and bar[-1, 0, 2] > bar[-1, 0, 0]  # red top, blue bottom
