@@ -88,8 +88,9 @@ def inference_modes(model: Path) -> list[str]:
     """How a model is scored: soft attention one way; hard attention with the most likely
     location (its own single location per word: `--hard-mode argmax`) and with the expected
     context (`--hard-mode expectation`, the mode the bundled hard model stores and the web UI
-    starts in), which is the default of the authors' released sampler (arctic-captions generate_caps.py, sampling=False:
-    alpha_sample = alpha), i.e. how the paper's hard-attention captions were generated."""
+    starts in), which is the default of the authors' released sampler (arctic-captions
+    generate_caps.py, sampling=False: alpha_sample = alpha), i.e. how the paper's hard-attention
+    captions were generated."""
     from showattendtell.model_file import read_model
 
     attention = read_model(model)[0].decoder.config.attention

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
-import numpy as np
 from PIL import Image
 
 from showattendtell.decoding import DecodingConfig
@@ -34,7 +33,7 @@ class Captioned:
         model, the grid, the hard-attention locations (None without) and the image size."""
         r = self.result
         # float64 first: float32 weights rounded to 5 decimals print as 0.30799999833106995
-        d = replace(r, attention=r.attention.astype(np.float64)).to_dict(with_attention=True)
+        d = r.to_dict(with_attention=True)
         d.update(
             beams=[{"caption": c, "score": finite_or_none(s, 4)} for c, s in r.beams],
             model=self.model,

@@ -12,16 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
-from showattendtell.overlay import colorize, colour_bar, label_font
+from showattendtell.overlay import colour_bar, label_font, overlay_attention
 
 SCALES = ("word", "caption")  # colour scale: each word's own maximum, or the caption's
 SCALE_CHOICES = [("each word: 0 to its own largest weight", "word"),
                  ("whole caption: 0 to the largest weight of any word", "caption")]
-OPACITY = 0.55  # as showattendtell.overlay
 
 
 def resized(image: Image.Image, size: int) -> Image.Image:
@@ -37,26 +34,6 @@ def scale_max(attention: np.ndarray, index: int, scale: str = "word") -> float:
         raise ValueError(f"colour scale must be one of {', '.join(SCALES)}, not {scale!r}")
     grid = attention if scale == "caption" else attention[index]
     return max(float(np.max(grid)), 1e-12)
-
-
-def overlay(image: Image.Image, grid: np.ndarray, vmax: float,
-            location: tuple[int, int] | None = None) -> Image.Image:
-    """One word's attention (bicubic-upsampled) blended over the image, colour 0..vmax; the
-    cell hard attention chose (``location``) gets a white frame."""
-    image = image.convert("RGB")
-    w, h = image.size
-    t = torch.as_tensor(np.asarray(grid, np.float32))[None, None]
-    up = F.interpolate(t, size=(h, w), mode="bicubic", align_corners=False)[0, 0].numpy()
-    heat = np.clip(up / vmax, 0.0, 1.0)
-    rgb = np.asarray(image, dtype=np.float32)
-    a = OPACITY * heat[..., None] ** 0.5  # stronger where attention is high
-    out = Image.fromarray((rgb * (1 - a) + colorize(heat).astype(np.float32) * a).astype(np.uint8))
-    if location is not None:
-        g = grid.shape[0]
-        r, c = location
-        box = (c * w / g, r * h / g, (c + 1) * w / g - 1, (r + 1) * h / g - 1)
-        ImageDraw.Draw(out).rectangle(box, outline=(255, 255, 255), width=max(2, w // 150))
-    return out
 
 
 def weight_label(x: float) -> str:
@@ -104,7 +81,8 @@ def gallery(state: dict[str, Any] | None, scale: str = "word") -> list:
     if not state:
         return []
     att = state["attention"]
-    return [(overlay(state["small"], att[i], scale_max(att, i, scale), located(state, i)),
+    return [(overlay_attention(state["small"], att[i], located(state, i),
+                               vmax=scale_max(att, i, scale)),
              word_label(state, i)) for i in range(len(state["words"]))]
 
 
@@ -129,5 +107,6 @@ def word_view(state: dict[str, Any] | None, index: int | None,
     att = state["attention"]
     vmax = scale_max(att, i, scale)
     cells = int(np.prod(att.shape[1:]))
-    view = with_colour_bar(overlay(state["image"], att[i], vmax, located(state, i)), vmax, cells)
+    view = with_colour_bar(overlay_attention(state["image"], att[i], located(state, i),
+                                             vmax=vmax), vmax, cells)
     return view, scale_note(state, i, scale, vmax)

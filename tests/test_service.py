@@ -16,6 +16,7 @@ import re
 import socket
 import struct
 import threading
+import time
 import urllib.error
 import urllib.request
 import zlib
@@ -705,6 +706,15 @@ def _outputs(page) -> dict:
             "note": page.inner_text("#scale-note").strip()}
 
 
+def _wait_for_outputs(page, expected: dict, timeout_s: float = 30.0) -> None:
+    """The outputs settle to ``expected``: a word-selection event of the previous caption may
+    still be in flight when the status line changes."""
+    deadline = time.monotonic() + timeout_s
+    while _outputs(page) != expected and time.monotonic() < deadline:
+        page.wait_for_timeout(100)
+    assert _outputs(page) == expected
+
+
 def _status_has(page, text: str) -> None:
     page.wait_for_function(
         f"document.querySelector('#status')?.innerText.includes({json.dumps(text)})",
@@ -781,7 +791,7 @@ def test_browser_hard_mode_frames_and_rejected_uploads(server: str, service: Cap
             cleared = {"caption": "", "words": 0, "gallery": 0, "view": 0, "sheet": 0,
                        "note": ""}
             expect(page.locator("#word-gallery img")).to_have_count(0)
-            assert _outputs(page) == cleared
+            _wait_for_outputs(page, cleared)
             assert previous not in page.inner_text("#beams")
 
             # a good photo again, then one over the upload limit: refused by Gradio, cleared
@@ -790,7 +800,7 @@ def test_browser_hard_mode_frames_and_rejected_uploads(server: str, service: Cap
             page.set_input_files(upload, str(big))
             _status_has(page, events.PROMPT)
             expect(page.locator("#word-gallery img")).to_have_count(0)
-            assert _outputs(page) == cleared
+            _wait_for_outputs(page, cleared)
 
             # back to the soft model: the control hides; an example photo captions
             page.locator("#model input").click()

@@ -35,7 +35,8 @@ class CaptionResult:
         if self.warning:
             d["warning"] = self.warning
         if with_attention:
-            d["attention"] = np.round(self.attention, 5).tolist()
+            # float64 first: float32 values print as 0.30799999833106995, not 0.308
+            d["attention"] = np.round(self.attention.astype(np.float64), 5).tolist()
             if self.locations is not None:
                 d["locations"] = [list(x) for x in self.locations]
         return d

@@ -23,12 +23,15 @@ def label_font(size: int) -> ImageFont.ImageFont:
         return ImageFont.load_default(size)
 
 
-def upsample_attention(grid: np.ndarray, width: int, height: int) -> np.ndarray:
-    """A (g, g) attention map -> a smooth (height, width) map in [0, 1] (bicubic)."""
-    t = torch.as_tensor(grid, dtype=torch.float32)[None, None]
+def upsample_attention(grid: np.ndarray, width: int, height: int,
+                       vmax: float | None = None) -> np.ndarray:
+    """A (g, g) attention map -> a smooth (height, width) map in [0, 1] (bicubic): weight / vmax,
+    clipped; vmax None stretches the map to its own maximum."""
+    t = torch.as_tensor(np.asarray(grid), dtype=torch.float32)[None, None]
     up = F.interpolate(t, size=(height, width), mode="bicubic", align_corners=False)[0, 0]
     up = up.clamp_min(0)
-    return (up / up.max().clamp_min(1e-12)).numpy()
+    top = up.max().clamp_min(1e-12) if vmax is None else torch.tensor(max(vmax, 1e-12))
+    return (up / top).clamp_max(1.0).numpy()
 
 
 def colorize(heat: np.ndarray) -> np.ndarray:
@@ -43,11 +46,13 @@ def overlay_attention(
     grid: np.ndarray,
     location: tuple[int, int] | None = None,
     opacity: float = 0.55,
+    vmax: float | None = None,
 ) -> Image.Image:
-    """The image with one word's attention blended over it; a hard-attention location is framed."""
+    """The image with one word's attention blended over it, colour 0..vmax (None: the map's
+    own maximum); a hard-attention location is framed."""
     image = image.convert("RGB")
     w, h = image.size
-    heat = upsample_attention(grid, w, h)
+    heat = upsample_attention(grid, w, h, vmax)
     rgb = np.asarray(image, dtype=np.float32)
     a = opacity * heat[..., None] ** 0.5  # stronger where attention is high
     out = Image.fromarray((rgb * (1 - a) + colorize(heat).astype(np.float32) * a).astype(np.uint8))
@@ -65,15 +70,17 @@ def colour_bar(height: int, width: int = 14) -> Image.Image:
     return Image.fromarray(colorize(ramp))
 
 
-def word_panels(image: Image.Image, result: CaptionResult, size: int = 224) -> list[Image.Image]:
-    """One overlay per word, resized so that the longer side is ``size``."""
+def word_panels(image: Image.Image, result: CaptionResult, size: int = 224,
+                vmax: float | None = None) -> list[Image.Image]:
+    """One overlay per word, resized so that the longer side is ``size`` (vmax: see
+    overlay_attention)."""
     image = image.convert("RGB")
     scale = size / max(image.size)
     small = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
                          Image.Resampling.BICUBIC)
     locs = result.locations or [None] * len(result.words)
-    return [overlay_attention(small, grid, loc) for grid, loc in zip(result.attention, locs,
-                                                                       strict=True)]
+    return [overlay_attention(small, grid, loc, vmax=vmax)
+            for grid, loc in zip(result.attention, locs, strict=True)]
 
 
 def caption_sheet(image: Image.Image, result: CaptionResult, panel: int = 200,
