@@ -23,15 +23,13 @@ import time
 from pathlib import Path
 
 from showattendtell.cli_common import add_decoding_args, decoding_overrides
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError
 
 log = logging.getLogger(__name__)
 
 
-class EvaluateError(UserError, ValueError):
+class EvaluateError(UsageError, ValueError):
     """Bad arguments or nothing to score."""
-
-    exit_code = 2
 
 DATASET_CHOICES = ("coco", "flickr8k", "karpathy")
 
