@@ -223,15 +223,16 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(synthetic_fl
     assert argv[:2] == ["sat", "train"] and argv[-2:] == ["--ckpt_path", str(saved)]
     old = os.getcwd()
     os.chdir(tmp_path)
-    try:  # the printed command resumes (to the end of the interrupted epoch here)
-        assert main([*argv[1:], "--trainer.max_epochs", str(ckpt["epoch"] + 1)]) == 0
+    try:  # the printed command resumes where it stopped; here one epoch beyond
+        assert main([*argv[1:], "--trainer.max_epochs", str(ckpt["epoch"] + 2)]) == 0
     finally:
         os.chdir(old)
     done = torch.load(last, map_location="cpu", weights_only=True)
-    # the interrupted epoch is finished, not started again: the steps add up to whole epochs
+    # the interrupted epoch is finished, not started again (nor skipped): the steps add up to
+    # whole epochs, whether Ctrl-C came mid-epoch or during the epoch's validation
     steps_per_epoch = 24 * 5 // 8  # synthetic_flickr: 24 training images x 5 captions; batch 8
-    assert done["epoch"] == ckpt["epoch"] and done["global_step"] > ckpt["global_step"]
-    assert done["global_step"] == (ckpt["epoch"] + 1) * steps_per_epoch
+    assert done["epoch"] == ckpt["epoch"] + 1 and done["global_step"] > ckpt["global_step"]
+    assert done["global_step"] == (ckpt["epoch"] + 2) * steps_per_epoch
 
 
 def test_self_critical_fine_tuning_from_a_trained_run(trained_run, tmp_path, capsys):
