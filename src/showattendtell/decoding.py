@@ -269,6 +269,18 @@ def beam_search(
     return results
 
 
+def generate(decoder: Decoder, annotations: torch.Tensor,
+             config: DecodingConfig) -> list[list[Hypothesis]]:
+    """Captions for a batch of annotation grids (B, L, D) with every option of ``config``: the
+    one place a decoding option reaches the search (beam 1 decodes greedily)."""
+    if config.beam_size == 1:
+        return greedy_decode(decoder, annotations, config.max_length, config.hard_mode,
+                             no_repeat_ngram=config.no_repeat_ngram)
+    return beam_search(decoder, annotations, config.beam_size, config.max_length,
+                       config.length_penalty, config.hard_mode,
+                       no_repeat_ngram=config.no_repeat_ngram)
+
+
 @dataclass
 class SampledCaptions:
     """Captions drawn from the model, laid out for a teacher-forced pass over them."""

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from showattendtell.decoder import Decoder, DecoderConfig
-from showattendtell.decoding import DecodingConfig, Hypothesis, beam_search, greedy_decode
+from showattendtell.decoding import DecodingConfig, Hypothesis, generate
 from showattendtell.encoder import Encoder, EncoderConfig
 from showattendtell.vocab import Vocabulary
 
@@ -31,13 +31,8 @@ class CaptionModel(nn.Module):
     def generate(
         self, annotations: torch.Tensor, decoding: DecodingConfig
     ) -> list[list[Hypothesis]]:
-        """Captions for a batch of annotation grids (B, L, D); beam_size 1 decodes greedily."""
-        if decoding.beam_size <= 1:
-            return greedy_decode(self.decoder, annotations, decoding.max_length, decoding.hard_mode,
-                                 no_repeat_ngram=decoding.no_repeat_ngram)
-        return beam_search(self.decoder, annotations, decoding.beam_size, decoding.max_length,
-                           decoding.length_penalty, decoding.hard_mode,
-                           no_repeat_ngram=decoding.no_repeat_ngram)
+        """Captions for a batch of annotation grids (B, L, D), as ``decoding`` says."""
+        return generate(self.decoder, annotations, decoding)
 
     @torch.no_grad()
     def interpolate_(self, other: CaptionModel, alpha: float) -> CaptionModel:
