@@ -277,3 +277,20 @@ def _check_interpolated_export(start_ckpt: Path, tuned_ckpt: Path, capsys) -> No
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot interpolate") and len(err.splitlines()) == 1
     assert not Path("bad.safetensors").exists()
+
+
+def test_bf16_mixed_precision_trains(synthetic_flickr, tmp_path):
+    """`--trainer.precision bf16-mixed` (the Trainer's own flag) trains, here on the CPU."""
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
+                     str(synthetic_flickr), "--data.feature_cache", "cache",
+                     "--trainer.precision", "bf16-mixed", "--trainer.max_epochs", "1"]) == 0
+        ckpt = torch.load("runs/tiny/checkpoints/last.ckpt", map_location="cpu",
+                          weights_only=True)
+    finally:
+        os.chdir(old)
+    assert ckpt["global_step"] > 0
+    weights = [v for v in ckpt["state_dict"].values() if v.is_floating_point()]
+    assert all(torch.isfinite(v).all() for v in weights)  # float32 master weights, no NaN
