@@ -111,6 +111,24 @@ def test_karpathy_picks_the_json_named_like_the_folder(synthetic_flickr, tmp_pat
         load_split("karpathy", other, "val")
 
 
+def test_karpathy_coco_split_finds_the_2017_files_of_its_2014_names(tmp_path):
+    """dataset_coco.json names the 2014 files (val2014/COCO_val2014_<id>.jpg); the 2017 folders
+    hold the same photos as <12-digit id>.jpg, in train2017/ or val2017/ whatever the 2014 one."""
+    for folder, cocoid in (("train2017", 9), ("val2017", 139), ("val2014", 42)):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        name = f"COCO_val2014_{cocoid:012d}.jpg" if folder == "val2014" else f"{cocoid:012d}.jpg"
+        (tmp_path / folder / name).write_bytes(b"")
+    images = [{"filepath": "val2014", "filename": f"COCO_val2014_{i:012d}.jpg", "cocoid": i,
+               "split": "test", "sentences": [{"raw": "a photo", "tokens": ["a", "photo"]}]}
+              for i in (9, 139, 42, 7)]
+    (tmp_path / "dataset_coco.json").write_text(json.dumps({"dataset": "coco", "images": images}))
+    test = load_split("coco", tmp_path, "test")
+    assert [str(im.path.relative_to(tmp_path)) for im in test.images] == [
+        "train2017/000000000009.jpg", "val2017/000000000139.jpg",
+        "val2014/COCO_val2014_000000000042.jpg"]
+    assert [im.coco_id for im in test.images] == [9, 139, 42] and len(test.missing) == 1
+
+
 @pytest.mark.parametrize(("dataset", "split", "match"), [
     ("flickr30k", "train", "unknown dataset"),
     ("flickr8k", "validation", "splits"),

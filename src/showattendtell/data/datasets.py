@@ -173,6 +173,8 @@ def _karpathy_image_path(base: Path, im: dict) -> Path:
                   base / im["filename"], *(base / d / im["filename"] for d in _FLICKR_IMAGE_DIRS)]
     if "filepath" in im:
         candidates.insert(1, base / "images" / im["filepath"] / im["filename"])
+    if "cocoid" in im:  # dataset_coco.json names 2014 files; the 2017 folders hold the same photos
+        candidates += [base / d / f"{im['cocoid']:012d}.jpg" for d in ("train2017", "val2017")]
     return next((p for p in candidates if p.is_file()), candidates[0])
 
 
