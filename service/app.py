@@ -133,15 +133,20 @@ def build_app(service: CaptionService, examples: Sequence[Path] = (),
         model.change(partial(events.model_controls, service), inputs=[model],
                      outputs=[beam, length, hard_mode, penalty, no_repeat], queue=False,
                      api_visibility="private")
-        words.change(events.show_word, inputs=[state, words, scale], outputs=[view, note],
-                     queue=False, api_visibility="private")
+        # .input, not .change: only a click. The caption events set the word list and the first
+        # word's view themselves; a .change they set off could land after a later event had
+        # cleared the outputs (a rejected upload) and bring the old photo's view back.
+        words.input(events.show_word, inputs=[state, words, scale], outputs=[view, note],
+                    queue=False, api_visibility="private")
         scale.change(events.rescale, inputs=[state, words, scale], outputs=[gallery, view, note],
                      queue=False, api_visibility="private")
 
-        def select_word(evt: gr.SelectData) -> int:
-            return int(evt.index)
+        def select_word(state_: dict | None, scale_: str, evt: gr.SelectData):
+            """A gallery panel clicked: select its word and show it."""
+            return (int(evt.index), *events.show_word(state_, int(evt.index), scale_))
 
-        gallery.select(select_word, None, words, queue=False, api_visibility="private")
+        gallery.select(select_word, [state, scale], [words, view, note], queue=False,
+                       api_visibility="private")
         api_button.click(partial(api_caption, service),
                          inputs=[image, api_model, api_beam, api_length, api_hard, api_penalty,
                                  api_no_repeat],

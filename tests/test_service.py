@@ -810,9 +810,13 @@ def test_browser_hard_mode_frames_and_rejected_uploads(server: str, service: Cap
             _status_has(page, "soft attention")
             n = len(page.input_value("#caption-text textarea").split())
             expect(page.locator("#word-gallery img")).to_have_count(n)
-            if n > 1:  # clicking a word's panel selects that word
+            if n > 1:  # clicking a word's panel selects that word and shows it
+                words = page.input_value("#caption-text textarea").split()
                 page.locator("#word-gallery img").nth(1).click()
                 expect(page.locator("#words input:checked")).to_have_attribute("value", "1")
+                expect(page.locator("#scale-note")).to_contain_text(f"“{words[1]}”")
+                page.locator("#words label").nth(0).click()  # and so does a word of the list
+                expect(page.locator("#scale-note")).to_contain_text(f"“{words[0]}”")
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
