@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from showattendtell.decoding import banned_tokens, sample_captions
@@ -73,7 +74,15 @@ class MaximumLikelihood(Objective):
 class HardAttentionReinforce(Objective):
     """Hard attention (paper section 4.1): locations sampled from alpha, the gradient of the
     lower bound with the moving-average baseline b; with probability ``expectation_prob`` per
-    batch the expected context instead (the paper's 0.5)."""
+    batch the expected context instead (the paper's 0.5).
+
+    Under DDP every process draws its own batch, but b is one number for the whole run: each
+    step the processes add up their sampled captions' log-likelihoods and counts (one
+    all_reduce per step, on every process whichever branch it took, so none waits for another)
+    and all move b by the mean over every sampled caption of the step, as one process with the
+    whole global batch would. So b is the same on every process, and the checkpoint (rank 0's)
+    holds the b that every process trained with.
+    """
 
     def __init__(self, config: HardAttentionConfig | None = None):
         super().__init__()
@@ -85,16 +94,31 @@ class HardAttentionReinforce(Objective):
         if random.random() < cfg.expectation_prob:  # the soft pass of the same network
             out = model.decoder(annotations, batch["captions"], batch["lengths"], mode="soft")
             terms = soft_attention_loss(out, B, 0.0)
+            self._move_baseline(None, annotations.device)
             return terms.loss, {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
         out = model.decoder(annotations, batch["captions"], batch["lengths"], mode="sample")
         terms = hard_attention_loss(out, B, float(self.baseline), cfg.reward_scale,
                                     cfg.entropy_weight)
-        self.baseline.fill_(update_baseline(float(self.baseline), terms.log_likelihood,
-                                            cfg.baseline_decay))
+        self._move_baseline(terms.log_likelihood, annotations.device)
         # the surrogate's value means nothing (only its gradient does): the logs carry the
         # captions' negative log-likelihood, comparable with the expected-context batches
         return terms.loss, {"nll": terms.nll, "baseline": self.baseline.clone(),
                             "caption_nll": -terms.log_likelihood.mean()}
+
+    def _move_baseline(self, log_likelihood: torch.Tensor | None, device) -> None:
+        """b <- decay b + (1 - decay) mean log p(y | s, a) over this step's sampled captions
+        on all processes; unchanged when none sampled (expected-context batches)."""
+        stats = torch.zeros(2, dtype=torch.float64, device=device)  # sum, count
+        if log_likelihood is not None:
+            ll = log_likelihood.detach().to(torch.float64)
+            stats[0], stats[1] = ll.sum(), ll.numel()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stats)
+        total, count = stats.tolist()
+        if count:
+            self.baseline.fill_(update_baseline(float(self.baseline),
+                                                torch.tensor([total / count]),
+                                                self.config.baseline_decay))
 
     def migrate_state(self, state, prefix):
         if "baseline" in state:
