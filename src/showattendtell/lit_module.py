@@ -253,6 +253,9 @@ class CaptionModule(L.LightningModule):
                           ("cider", "CIDEr")):
             self.log(f"val/{key}", scores[name], prog_bar=key in ("bleu4", "cider"),
                      sync_dist=True)
+        # how many images were scored: under DDP, DistributedSampler pads the last batches with
+        # repeated images, which keying the predictions by image id counts once
+        self.log("val/images", float(len(preds)), sync_dist=True)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         """Set this epoch's learning rates from the config (not from a restored optimizer)."""
