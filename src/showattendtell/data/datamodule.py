@@ -6,6 +6,7 @@ import logging
 import random
 
 import lightning as L
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
@@ -40,19 +41,29 @@ class CaptionPairs(Dataset):
     def __init__(self, images: list[CaptionedImage], vocab: Vocabulary, source: _Source,
                  max_length: int):
         self.images, self.source = images, source
-        self.pairs = []
+        # All word ids in one flat array (pair k is tokens[starts[k]:starts[k + 1]]), not a
+        # tensor per caption: COCO's 616k captions as tensors cost memory and slow every
+        # garbage-collector pass over them (benchmarks/coco_scale.py).
+        tokens: list[int] = []
+        starts, image_of = [0], []
         for i, im in enumerate(images):
             for cap in im.captions:
                 ids = vocab.encode(cap)
                 if len(ids) > max_length + 2:  # keep <end>, truncate the words
                     ids = [*ids[: max_length + 1], vocab.end]
-                self.pairs.append((i, torch.tensor(ids)))
+                tokens += ids
+                starts.append(len(tokens))
+                image_of.append(i)
+        self.tokens = np.asarray(tokens, dtype=np.int64)  # (total tokens,)
+        self.starts = np.asarray(starts, dtype=np.int64)  # (pairs + 1,)
+        self.image_of = np.asarray(image_of, dtype=np.int64)  # (pairs,)
 
     def __len__(self) -> int:
-        return len(self.pairs)
+        return len(self.image_of)
 
     def __getitem__(self, k: int):
-        i, ids = self.pairs[k]
+        i = int(self.image_of[k])
+        ids = torch.from_numpy(self.tokens[self.starts[k]:self.starts[k + 1]])
         x = self.source(self.images[i])
         return None if x is None else (x, ids, i)
 
