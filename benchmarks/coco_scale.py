@@ -160,9 +160,13 @@ def run_scale(fraction: float) -> dict:
                                              collate_fn=collate_captions, num_workers=0)
         batches = iter(loader)
 
-        def train(steps: int) -> None:
+        def run_steps(steps: int) -> None:
+            nonlocal batches
             for _ in range(steps):
-                batch = next(batches)
+                batch = next(batches, None)
+                if batch is None:  # a small scale has fewer batches than steps: a new epoch
+                    batches = iter(loader)
+                    batch = next(batches)
                 loss, _ = objective(model, batch["inputs"], batch)
                 opt.zero_grad()
                 loss.backward()
@@ -171,9 +175,9 @@ def run_scale(fraction: float) -> dict:
         # the first steps open the memory-mapped shards they touch (one-off, O(shards)); the
         # steps after them are what an epoch is made of
         with timed("train_first_steps", WARMUP_STEPS):
-            train(WARMUP_STEPS)
+            run_steps(WARMUP_STEPS)
         with timed("train_steps", TRAIN_STEPS):
-            train(TRAIN_STEPS)
+            run_steps(TRAIN_STEPS)
 
         refs = {im.image_id: im.captions for im in val}
         preds = {k: v[0] for k, v in refs.items()}  # a reference as the "caption"
