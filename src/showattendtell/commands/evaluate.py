@@ -36,12 +36,11 @@ DATASET_CHOICES = ("coco", "flickr8k", "karpathy")
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "evaluate",
-        help="caption a dataset split and score it (BLEU-1..4, METEOR, ROUGE-L, CIDEr-D, SPICE)",
-        description="Caption every image of a split with a model and score the captions with "
-                    "the official COCO caption toolkit. Prints the scores as one JSON object on "
-                    "the last line of standard output.",
-    )
+        "evaluate", help="caption a dataset split and score it (BLEU-1..4, METEOR, ROUGE-L, "
+                         "CIDEr-D, SPICE; attention correctness with --instances)",
+        description="Caption every image of a split with a model and score the captions with the "
+                    "official COCO caption toolkit. Prints the scores as one JSON object on the "
+                    "last line of standard output.")
     p.add_argument("--model", default=None,
                    help="model file or name (`sat models`; default: the bundled model)")
     p.add_argument("--dataset", required=True, choices=DATASET_CHOICES,
