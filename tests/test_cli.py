@@ -294,3 +294,19 @@ def test_bf16_mixed_precision_trains(synthetic_flickr, tmp_path):
     assert ckpt["global_step"] > 0
     weights = [v for v in ckpt["state_dict"].values() if v.is_floating_point()]
     assert all(torch.isfinite(v).all() for v in weights)  # float32 master weights, no NaN
+
+
+def test_save_every_n_steps_keeps_a_mid_epoch_checkpoint(synthetic_flickr, tmp_path):
+    """run.save_every_n_steps: checkpoints/steps.ckpt is rewritten every N steps (one file)."""
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
+                     str(synthetic_flickr), "--data.feature_cache", "cache",
+                     "--trainer.max_epochs", "1", "--run.save_every_n_steps", "4"]) == 0
+    finally:
+        os.chdir(old)
+    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+    assert sorted(p.name for p in folder.glob("steps*.ckpt")) == ["steps.ckpt"]
+    steps = torch.load(folder / "steps.ckpt", map_location="cpu", weights_only=True)
+    assert steps["global_step"] == 12  # 15 steps in the epoch: saved at 4, 8, 12

@@ -38,11 +38,15 @@ class RunConfig:
         monitor: the validation score that picks the best checkpoint and stops early
             (val/bleu1, val/bleu4, val/rouge_l or val/cider; higher is better).
         patience: stop after this many validations without a better ``monitor`` (null: never).
+        save_every_n_steps: also keep checkpoints/steps.ckpt, rewritten every N training steps
+            (null: only at epoch ends), for long runs that may be stopped mid-epoch: resume with
+            --ckpt_path on whichever of it and last.ckpt is newer.
     """
 
     dir: str = "runs/default"
     monitor: str = "val/cider"
     patience: int | None = 5
+    save_every_n_steps: int | None = None
 
 
 def run_loggers(run: RunConfig) -> list:
@@ -56,6 +60,9 @@ def run_callbacks(run: RunConfig) -> list[L.Callback]:
                         mode="max", save_top_k=1),
         ModelCheckpoint(dirpath=folder, filename="last"),  # the latest epoch, for resuming
     ]
+    if run.save_every_n_steps:
+        callbacks.append(ModelCheckpoint(dirpath=folder, filename="steps",
+                                         every_n_train_steps=run.save_every_n_steps))
     if run.patience is not None:
         callbacks.append(EarlyStopping(monitor=run.monitor, mode="max", patience=run.patience,
                                        check_on_train_epoch_end=False))
