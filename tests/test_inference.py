@@ -56,3 +56,29 @@ def test_asking_for_cuda_without_a_gpu_says_so():
     with pytest.raises(ValueError, match="no CUDA GPU"):
         resolve_device("cuda")
     assert resolve_device("auto").type == "cpu"
+
+
+def test_mixed_precision_captioning(tiny_model_file, tmp_path, capsys):
+    """--precision bf16 runs under autocast (a GPU's fast path; the CPU has bf16 autocast
+    too); 16 needs a GPU and says so; 32 is the default."""
+    from showattendtell.cli import main
+
+    image = make_example(np.random.default_rng(2))[0]
+    exact = load_model(tiny_model_file, "cpu").caption([image], beam_size=2)[0]
+    mixed = load_model(tiny_model_file, "cpu", precision="bf16")
+    assert mixed.autocast is torch.bfloat16
+    r = mixed.caption([image], beam_size=2)[0]
+    assert r.words and r.attention.dtype == np.float32
+    assert np.allclose(r.attention.sum((1, 2)), 1.0, atol=2e-2)
+    assert abs(r.log_prob - exact.log_prob) < 0.5 * max(1.0, abs(exact.log_prob))
+    path = tmp_path / "x.png"
+    image.save(path)
+    assert main(["caption", str(path), "--model", str(tiny_model_file), "--precision", "bf16",
+                 "--workers", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["caption"]
+    if not torch.cuda.is_available():
+        assert main(["caption", str(path), "--model", str(tiny_model_file), "--precision",
+                     "16"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == ("error: --precision 16 needs a CUDA GPU; on a CPU use 32 (the default) "
+                       "or bf16")

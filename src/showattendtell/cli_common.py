@@ -23,6 +23,14 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help="never repeat an N-word sequence within a caption (0: allow)")
 
 
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """Where and how the network runs: --device and --precision."""
+    p.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda or "
+                                                    "cuda:N")
+    p.add_argument("--precision", default="32", choices=("32", "bf16", "16"),
+                   help="32 (default; float32), or mixed precision bf16 / 16 (float16: GPU only)")
+
+
 def decoding_overrides(args: argparse.Namespace) -> dict:
     """The decoding options given on the command line (None: the model's default), checked now,
     before a model is loaded: a DecodingError (exit status 2) names the bad one."""

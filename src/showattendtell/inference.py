@@ -12,6 +12,7 @@ from PIL import Image
 
 from showattendtell.catalog import resolve_model
 from showattendtell.decoding import DecodingConfig
+from showattendtell.errors import UsageError
 from showattendtell.images import image_warning, open_image, preprocess
 from showattendtell.model import CaptionModel
 from showattendtell.model_file import read_model
@@ -56,14 +57,36 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast type of ``--precision`` (None: float32); float16 needs a GPU."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, not "
+                         f"{precision!r}")
+    if precision == "16" and device.type != "cuda":
+        raise UsageError("--precision 16 needs a CUDA GPU; on a CPU use 32 (the default) or bf16")
+    return PRECISIONS[precision]
+
+
 class Captioner:
-    """A loaded model on a device, with its default decoding settings."""
+    """A loaded model on a device, with its default decoding settings.
+
+    ``precision`` "bf16" or "16" runs the encoder and the search under autocast (mixed
+    precision: a GPU's fast path); "32", the default, is float32 throughout.
+    """
 
     def __init__(self, model: CaptionModel, decoding: DecodingConfig, device: str = "auto",
-                 name: str = "model"):
+                 name: str = "model", precision: str = "32"):
         self.device = resolve_device(device)
+        self.autocast = autocast_dtype(precision, self.device)
         self.model = model.to(self.device).eval()
         self.decoding, self.name = decoding, name
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast,
+                              enabled=self.autocast is not None)
 
     @property
     def attention_type(self) -> str:
@@ -76,7 +99,8 @@ class Captioner:
     @torch.inference_mode()
     def encode(self, batch: torch.Tensor) -> torch.Tensor:
         """Preprocessed images (B, 3, S, S) -> annotation grids (B, L, D)."""
-        return self.model.encoder(batch.to(self.device))
+        with self._autocast():
+            return self.model.encoder(batch.to(self.device))
 
     def preprocess(self, image: str | Path | bytes | Image.Image) -> torch.Tensor:
         return preprocess(open_image(image), self.input_size)
@@ -84,9 +108,11 @@ class Captioner:
     @torch.inference_mode()
     def caption_annotations(self, annotations: torch.Tensor, **decoding) -> list[CaptionResult]:
         cfg = self.decoding.with_overrides(**decoding)
+        with self._autocast():
+            hypotheses = self.model.generate(annotations, cfg)
         g = self.model.grid
         results = []
-        for hyps in self.model.generate(annotations, cfg):
+        for hyps in hypotheses:
             best = hyps[0]
             words = self.model.words(best)
             locs = None
@@ -119,12 +145,14 @@ class Captioner:
         return results
 
 
-def load_model(path: str | Path | None = None, device: str = "auto") -> Captioner:
+def load_model(path: str | Path | None = None, device: str = "auto",
+               precision: str = "32") -> Captioner:
     """Load a model for captioning: a model file, a model's name (`sat models`), or None for
-    the default model ($SAT_MODEL, else the bundled default)."""
+    the default model ($SAT_MODEL, else the bundled default). ``precision``: "32", "bf16" or
+    "16" (mixed precision; "16" on a GPU only)."""
     path = resolve_model(path)
     model, decoding, _ = read_model(path)
-    return Captioner(model, decoding, device, name=path.stem)
+    return Captioner(model, decoding, device, name=path.stem, precision=precision)
 
 
 def caption_images(captioner: Captioner, images: list, **decoding) -> list[CaptionResult]:

@@ -25,7 +25,7 @@ from showattendtell.caption_output import (
     prepare_folder,
     scan_output,
 )
-from showattendtell.cli_common import add_decoding_args, decoding_overrides
+from showattendtell.cli_common import add_decoding_args, add_device_args, decoding_overrides
 from showattendtell.errors import UsageError, UserError
 from showattendtell.pipeline import Record, default_workers
 
@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
                         "much faster on a machine busy with other work")
     p.add_argument("--model", default=None,
                    help="model file or name (`sat models`; default: the bundled model)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    add_device_args(p)
     add_decoding_args(p)
     p.set_defaults(func=run)
 
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        captioner = load_model(args.model, args.device)
+        captioner = load_model(args.model, args.device, args.precision)
     except ValueError as e:  # --device cuda without a GPU, an unknown device name
         if isinstance(e, UserError):
             raise

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from showattendtell.cli_common import add_decoding_args, decoding_overrides
+from showattendtell.cli_common import add_decoding_args, add_device_args, decoding_overrides
 from showattendtell.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-workers", type=int, default=2, help="image decoding processes")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
     p.add_argument("--no-spice", action="store_true", help="skip SPICE even if it can run")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    add_device_args(p)
     p.add_argument("--instances", default=None, metavar="FILE",
                    help="COCO instance annotations of the split's photos "
                         "(annotations/instances_<split><year>.json): also report attention "
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     from showattendtell.inference import finite_or_none, load_model
 
-    captioner = load_model(args.model, args.device)
+    captioner = load_model(args.model, args.device, args.precision)
     t0 = time.perf_counter()
     kept: dict = {}  # image_id -> CaptionResult, for attention correctness
     captions, failed = caption_split(captioner, images, args.batch_size, args.num_workers,
