@@ -279,18 +279,24 @@ def _check_interpolated_export(start_ckpt: Path, tuned_ckpt: Path, capsys) -> No
     assert not Path("bad.safetensors").exists()
 
 
-def test_bf16_mixed_precision_trains(synthetic_flickr, tmp_path):
-    """`--trainer.precision bf16-mixed` (the Trainer's own flag) trains, here on the CPU."""
+def train_tiny(data_root: Path, work: Path, *extra: str) -> Path:
+    """`sat train --config configs/tiny.yaml` on ``data_root`` for one epoch, run in ``work``
+    (tiny.yaml writes runs/tiny/ there); returns the checkpoint folder."""
     old = os.getcwd()
-    os.chdir(tmp_path)
+    os.chdir(work)
     try:
         assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
-                     str(synthetic_flickr), "--data.feature_cache", "cache",
-                     "--trainer.precision", "bf16-mixed", "--trainer.max_epochs", "1"]) == 0
-        ckpt = torch.load("runs/tiny/checkpoints/last.ckpt", map_location="cpu",
-                          weights_only=True)
+                     str(data_root), "--data.feature_cache", "cache", "--trainer.max_epochs", "1",
+                     *extra]) == 0
     finally:
         os.chdir(old)
+    return work / "runs" / "tiny" / "checkpoints"
+
+
+def test_bf16_mixed_precision_trains(synthetic_flickr, tmp_path):
+    """`--trainer.precision bf16-mixed` (the Trainer's own flag) trains, here on the CPU."""
+    folder = train_tiny(synthetic_flickr, tmp_path, "--trainer.precision", "bf16-mixed")
+    ckpt = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] > 0
     weights = [v for v in ckpt["state_dict"].values() if v.is_floating_point()]
     assert all(torch.isfinite(v).all() for v in weights)  # float32 master weights, no NaN
@@ -298,15 +304,7 @@ def test_bf16_mixed_precision_trains(synthetic_flickr, tmp_path):
 
 def test_save_every_n_steps_keeps_a_mid_epoch_checkpoint(synthetic_flickr, tmp_path):
     """run.save_every_n_steps: checkpoints/steps.ckpt is rewritten every N steps (one file)."""
-    old = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
-                     str(synthetic_flickr), "--data.feature_cache", "cache",
-                     "--trainer.max_epochs", "1", "--run.save_every_n_steps", "4"]) == 0
-    finally:
-        os.chdir(old)
-    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+    folder = train_tiny(synthetic_flickr, tmp_path, "--run.save_every_n_steps", "4")
     assert sorted(p.name for p in folder.glob("steps*.ckpt")) == ["steps.ckpt"]
     steps = torch.load(folder / "steps.ckpt", map_location="cpu", weights_only=True)
     assert steps["global_step"] == 12  # 15 steps in the epoch: saved at 4, 8, 12
