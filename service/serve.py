@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from showattendtell.cli_common import add_decoding_args, decoding_overrides
+from showattendtell.cli_common import add_decoding_args, add_device_args, decoding_overrides
 from showattendtell.errors import UsageError, UserError
 
 from .auth import AUTH_ENV, exposure_warning, read_auth
@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a model file (.safetensors) or a model name (`sat models` lists them); "
                         "repeat for a model menu (named by file stem). Default: $SAT_MODEL or the "
                         "bundled model, then the other bundled models")
-    p.add_argument("--device", default="auto", help="auto (GPU when present), cpu, cuda or cuda:N")
+    add_device_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0: all)")
     p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
@@ -70,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         service = load_service(args.model, args.device, max_batch=args.max_batch,
-                               decoding=decoding)
+                               decoding=decoding, precision=args.precision)
     except UserError:
         raise
     except ValueError as e:  # resolve_device: no CUDA GPU

@@ -146,7 +146,8 @@ def model_paths(specs: Sequence[str | Path] | None) -> list[Path]:
 
 
 def load_service(specs: Sequence[str | Path] | None = None, device: str = "auto",
-                 max_batch: int = 8, decoding: Mapping[str, Any] | None = None) -> CaptionService:
+                 max_batch: int = 8, decoding: Mapping[str, Any] | None = None,
+                 precision: str = "32") -> CaptionService:
     """Load every model (named by file stem) onto ``device`` and start the worker.
 
     ``decoding``: options (None values: keep each model's stored one) that replace the stored
@@ -156,7 +157,7 @@ def load_service(specs: Sequence[str | Path] | None = None, device: str = "auto"
     DecodingConfig().with_overrides(**overrides)  # a bad value fails before the slow part
     captioners: dict[str, Captioner] = {}
     for path in model_paths(specs):
-        captioner = load_model(path, device)
+        captioner = load_model(path, device, precision)
         name = path.stem
         if name in captioners:  # same stem in two folders
             name = f"{path.parent.name}/{path.stem}"

@@ -59,8 +59,8 @@ def test_the_commands_table_lists_every_subcommand():
 @pytest.mark.parametrize("name", ["caption", "evaluate", "serve"])
 def test_commands_that_read_a_model_take_the_documented_options(name):
     options = {o for a in subparsers()[name]._actions for o in a.option_strings}
-    for option in ("--model", "--device", "--beam-size", "--max-length", "--length-penalty",
-                   "--no-repeat-ngram", "--hard-mode"):
+    for option in ("--model", "--device", "--precision", "--beam-size", "--max-length",
+                   "--length-penalty", "--no-repeat-ngram", "--hard-mode"):
         assert option in options, (name, option)
 
 

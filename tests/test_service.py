@@ -821,3 +821,17 @@ def test_browser_hard_mode_frames_and_rejected_uploads(server: str, service: Cap
             browser.close()
     assert shot.stat().st_size > 10_000
     print(f"screenshot: {shot}")
+
+
+def test_serve_takes_the_precision_option(tiny_model_file):
+    """`sat serve --precision` reaches every loaded model (bf16 autocast works on a CPU too)."""
+    from showattendtell.service.worker import load_service
+
+    args = build_parser().parse_args(["serve", "--precision", "bf16"])
+    assert args.precision == "bf16"
+    service = load_service([tiny_model_file], "cpu", precision="bf16")
+    try:
+        assert all(c.autocast is not None for c in service.captioners.values())
+        assert service.caption(Image.new("RGB", (64, 64), (200, 30, 30))).words
+    finally:
+        service.close()
