@@ -61,19 +61,22 @@ class Writer:
         self.fmt, self.with_attention, self.stream = fmt, with_attention, stream
         self.fields = fields or csv_fields(with_attention)
 
-    def header(self) -> None:
-        if self.fmt == "csv":
-            self._write(_csv_line(list(self.fields)))
-
     def write(self, rec: Record) -> None:
+        self.write_line(self.line(rec))
+
+    def line(self, rec: Record) -> str:
+        """The record as it goes into the file (one JSON line or one CSV row, newline included);
+        several captioning processes format their own and one writes them all."""
         d = record_dict(rec, self.with_attention)
         if self.fmt == "jsonl":
-            line = json.dumps(d, ensure_ascii=False, allow_nan=False) + "\n"
-        else:
-            line = _csv_line([_csv_cell(d.get(f)) for f in self.fields])
-        self._write(line)
+            return json.dumps(d, ensure_ascii=False, allow_nan=False) + "\n"
+        return _csv_line([_csv_cell(d.get(f)) for f in self.fields])
 
-    def _write(self, line: str) -> None:
+    def header(self) -> None:
+        if self.fmt == "csv":
+            self.write_line(_csv_line(list(self.fields)))
+
+    def write_line(self, line: str) -> None:
         data = line.encode("utf-8", "surrogateescape")  # undecodable file names round-trip
         if self.stream is None:  # standard output: looked up now (a progress bar may wrap it)
             sys.stdout.write(line)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,7 @@ from showattendtell.errors import UsageError, UserError
 from showattendtell.pipeline import Record, default_workers
 
 if TYPE_CHECKING:
+    from showattendtell.distributed import Processes
     from showattendtell.inference import Captioner
 
 
@@ -62,6 +65,13 @@ def add_parser(sub) -> None:
                         "much faster on a machine busy with other work")
     p.add_argument("--model", default=None,
                    help="model file or name (`sat models`; default: the bundled model)")
+    p.add_argument("--devices", type=int, default=1, metavar="N",
+                   help="captioning processes on this machine (default 1): one per GPU with "
+                        "--device cuda/auto on a GPU machine, else CPU processes sharing the "
+                        "cores; they split the photos and write one output in input order")
+    p.add_argument("--num-nodes", type=int, default=1, metavar="M",
+                   help="machines taking part (default 1); start the same command on each with "
+                        "MASTER_ADDR, MASTER_PORT and NODE_RANK set, or under torchrun / SLURM")
     add_device_args(p)
     add_decoding_args(p)
     p.set_defaults(func=run)
@@ -137,10 +147,18 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--overlays {args.overlays} exists and is not a folder")
 
 
-def run(args: argparse.Namespace) -> int:
-    _check_args(args)
-    decoding = decoding_overrides(args)
-    fmt = _format(args)
+@dataclass
+class Plan:
+    """What to caption, worked out by the first process and sent to the others."""
+
+    todo: list[str]  # input paths not in the output yet, in input order
+    skipped: int  # inputs already in the output (--resume)
+    fields: tuple[str, ...] | None  # the CSV columns of the file being continued
+
+
+def _plan(args: argparse.Namespace, fmt: str) -> tuple[Plan, ResumePoint | None]:
+    """Find the inputs, read what --resume continues, create the output folders: all before a
+    model is loaded, so a usage error costs nothing."""
     paths = _inputs(args)
     out_path = Path(args.output) if args.output else None
     resume: ResumePoint | None = None
@@ -148,93 +166,165 @@ def run(args: argparse.Namespace) -> int:
         resume = scan_output(out_path, fmt, args.with_attention)  # refuses a foreign file
     done = resume.done if resume else set()
     todo = [p for p in paths if p not in done]
-    skipped = len(paths) - len(todo)
-    if not todo:
-        print(f"nothing to do: all {len(paths)} images are already in {args.output}",
-              file=sys.stderr)
-        return 0
-    # every folder is created (or refused) before a model is loaded
-    if out_path is not None:
+    if todo and out_path is not None:
         prepare_folder("--output", out_path.parent)
         if out_path.exists() and not os.access(out_path, os.W_OK):
             raise OutputError(f"cannot write --output {out_path}: permission denied")
-    overlays = Path(args.overlays) if args.overlays else None
-    if overlays is not None:
-        prepare_folder("--overlays", overlays)
+    if todo and args.overlays:
+        prepare_folder("--overlays", Path(args.overlays))
+    return Plan(todo, len(paths) - len(todo), resume.fields if resume else None), resume
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    decoding = decoding_overrides(args)
+    fmt = _format(args)
+    from showattendtell.distributed import Processes, accelerator_for
+
+    several = args.devices * args.num_nodes > 1
+    procs = Processes(args.devices, args.num_nodes,
+                      accelerator_for(args.device) if several else "cpu")
+    # Only the first process reads the inputs and the output file; with --devices N it does so
+    # before it starts the others, so a usage error stops the run before any process starts.
+    plan: Plan | UserError | None = None
+    resume: ResumePoint | None = None
+    if procs.rank == 0:
+        try:
+            plan, resume = _plan(args, fmt)
+        except UserError as e:
+            if not procs.started_externally:
+                raise
+            plan = e  # torchrun / SLURM: the others are waiting for the plan; tell them too
+        if isinstance(plan, Plan) and not plan.todo and not procs.started_externally:
+            return _nothing_to_do(plan, args)
+    procs.launch()
+    plan = procs.broadcast(plan)
+    if isinstance(plan, UserError):
+        if procs.rank == 0:
+            raise plan
+        return 0
+    assert plan is not None
+    if not plan.todo:
+        return _nothing_to_do(plan, args) if procs.rank == 0 else 0
 
     from showattendtell.inference import load_model
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    procs.share_cores(args.threads)
     try:
-        captioner = load_model(args.model, args.device, args.precision)
+        captioner = load_model(args.model, procs.device(args.device), args.precision)
     except ValueError as e:  # --device cuda without a GPU, an unknown device name
         if isinstance(e, UserError):
             raise
         raise UsageError(str(e)) from None
 
-    stream = open_output(out_path, resume if args.resume else None) if out_path else None
-    fields = resume.fields if resume else None
-    writer = Writer(fmt, args.with_attention, stream, fields)
-    fresh = fmt == "csv" and fields is None
-    return _caption_loop(captioner, todo, args, decoding, writer, fresh, overlays, skipped)
+    stream = None
+    if procs.rank == 0 and args.output:
+        stream = open_output(Path(args.output), resume if args.resume else None)
+    writer = Writer(fmt, args.with_attention, stream, plan.fields)
+    fresh = fmt == "csv" and plan.fields is None
+    overlays = Path(args.overlays) if args.overlays else None
+    return _caption_loop(captioner, plan, args, decoding, writer, fresh, overlays, procs)
 
 
-def _caption_loop(captioner: Captioner, todo: list[str], args: argparse.Namespace,
+def _nothing_to_do(plan: Plan, args: argparse.Namespace) -> int:
+    print(f"nothing to do: all {plan.skipped} images are already in {args.output}",
+          file=sys.stderr)
+    return 0
+
+
+def _share(n: int, batch_size: int, rank: int, world: int) -> tuple[list[range], list[int]]:
+    """Batch ``g`` of the ``n`` inputs goes to process ``g % world``: (every batch, as ranges of
+    input positions; the batches of ``rank``). Step ``s`` of every process handles batches
+    ``s * world ... s * world + world - 1``, so the first process receives them in input order
+    and the output file is always in input order, whatever the number of processes."""
+    batches = [range(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+    return batches, list(range(rank, len(batches), world))
+
+
+def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
                   decoding: dict[str, Any], writer: Writer, fresh: bool, overlays: Path | None,
-                  skipped: int) -> int:
+                  procs: Processes) -> int:
+    """Every process captions its batches; at each step the first process gathers that step's
+    records from all of them and writes them, in input order, one whole record per write.
+    One writer means a kill of any process loses at most the records of the step in flight and
+    never leaves a duplicate: the file is what --resume continues."""
     from showattendtell.pipeline import caption_files
     from showattendtell.progress import Progress
+
+    todo, main = plan.todo, procs.rank == 0
+    batches, mine = _share(len(todo), args.batch_size, procs.rank, procs.world_size)
+    workers = args.workers
+    if workers is None:  # the processes of one machine share its cores
+        workers = max(1, default_workers() // procs.local_world_size)
+    records = caption_files(captioner, [todo[i] for g in mine for i in batches[g]],
+                            args.batch_size, workers, None, **decoding)
+    steps = -(-len(batches) // procs.world_size)
 
     ok, failures = 0, []
     # a bar on a terminal, unless the records go to a pipe; log lines when stderr is no terminal
     bar = sys.stderr.isatty() and (writer.stream is not None or sys.stdout.isatty())
-    show = True if bar else (False if sys.stderr.isatty() else None)
+    show = (True if bar else (False if sys.stderr.isatty() else None)) if main else False
     interrupted = False
-    write_error: OSError | None = None
+    error: str | None = None
     try:
-        if fresh:
+        if fresh and main:
             writer.header()
         with Progress(len(todo), "captioning", enabled=show) as progress:
-            for rec in caption_files(captioner, todo, args.batch_size, args.workers,
-                                     progress, **decoding):
-                if rec.result is not None and overlays is not None:
-                    try:
-                        write_overlay(overlays, rec)
-                    except Exception as e:  # noqa: BLE001 - the caption is still worth keeping
-                        print(f"warning: no overlay for {rec.path}: {e}", file=sys.stderr)
-                if rec.result is not None and rec.result.warning:
-                    print(f"warning: {rec.path}: {rec.result.warning}", file=sys.stderr)
-                writer.write(rec)
-                if rec.result is None:
-                    failures.append(rec)
-                else:
-                    ok += 1
+            for step in range(steps):
+                g = step * procs.world_size + procs.rank
+                lines = [_formatted(rec, writer, overlays)
+                         for rec in islice(records, len(batches[g]) if g < len(batches) else 0)]
+                parts = procs.gather(lines)
+                for part in parts or []:
+                    for path, line, failure in part:
+                        writer.write_line(line)
+                        if failure is None:
+                            ok += 1
+                        else:
+                            failures.append(Record(path, error=failure))
+                    progress(len(part))
     except KeyboardInterrupt:
         interrupted = True
     except BrokenPipeError:  # `sat caption DIR | head`: the reader has gone; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as e:  # a full disk, a vanished network folder: keep what is written
-        write_error = e
-    finally:
-        if writer.stream is not None:
-            writer.stream.close()
-    if write_error is not None:
-        target = args.output or "standard output"
-        print(f"error: cannot write to {target}: {write_error.strerror or write_error}; the "
-              f"{ok + len(failures)} records written before are intact"
-              + (" (free some space and run again with --resume)" if args.output else ""),
-              file=sys.stderr)
+        error = f"cannot write to {args.output or 'standard output'}: {e.strerror or e}"
         if not args.output:  # stdout is unusable: keep the interpreter from flushing it again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except RuntimeError as e:  # a collective failed: another process was killed or crashed
+        if procs.fabric is None:
+            raise
+        error = (f"a captioning process stopped ({str(e).splitlines()[0][:200]})")
+    finally:
+        records.close()
+        if writer.stream is not None:
+            writer.stream.close()
+    if not main:
+        return 0 if error is None else 1
+    if error is not None:
+        print(f"error: {error}; the {ok + len(failures)} records written before are intact"
+              + (" (run again with --resume to finish)" if args.output else ""),
+              file=sys.stderr)
         return 1
-    _summary(ok, failures, skipped, len(todo), interrupted, args.output)
+    _summary(ok, failures, plan.skipped, len(todo), interrupted, args.output)
     if interrupted:
         return 130
     return 1 if failures else 0
+
+
+def _formatted(rec: Record, writer: Writer, overlays: Path | None
+               ) -> tuple[str, str, str | None]:
+    """(path, output line, error or None) for one record; its overlay and warning done here, by
+    the process that captioned it."""
+    if rec.result is not None and overlays is not None:
+        try:
+            write_overlay(overlays, rec)
+        except Exception as e:  # noqa: BLE001 - the caption is still worth keeping
+            print(f"warning: no overlay for {rec.path}: {e}", file=sys.stderr)
+    if rec.result is not None and rec.result.warning:
+        print(f"warning: {rec.path}: {rec.result.warning}", file=sys.stderr)
+    return rec.path, writer.line(rec), rec.error
 
 
 def _summary(ok: int, failures: list[Record], skipped: int, total: int, interrupted: bool,

@@ -1,0 +1,184 @@
+"""`sat caption --devices N`: several processes (Lightning's launcher, gloo on CPU) caption 60 real
+photos into one output file, the same as one process writes; a kill -9 of any or all of them,
+or a Ctrl-C, then --resume, gives every photo exactly once, in input order."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, SHARED
+
+from showattendtell.cli import main
+from showattendtell.commands.caption import _share
+
+TRAIN_MINI = SHARED / "data" / "coco2017_train_mini" / "images"
+N = 60
+needs_train_mini = pytest.mark.skipif(
+    len(list(TRAIN_MINI.glob("*.jpg"))) < N,
+    reason=f"{N} real COCO photos not found in {TRAIN_MINI} (see data/README.md)")
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """A folder of links to 60 real COCO train2017 photos (read in place)."""
+    folder = tmp_path_factory.mktemp("dist") / "photos"
+    folder.mkdir()
+    for p in sorted(TRAIN_MINI.glob("*.jpg"))[:N]:
+        (folder / p.name).symlink_to(p)
+    return folder
+
+
+def sat_caption(args: list[str], cwd: Path, mark: str = "", **popen) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"),
+           "SAT_TEST_MARK": mark}
+    return subprocess.Popen([sys.executable, "-m", "showattendtell.cli", "caption", *args],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **popen)
+
+
+def finished(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def records(path: Path) -> list[dict]:
+    if path.suffix == ".csv":
+        return list(csv.DictReader(io.StringIO(path.read_text())))
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def same_captions(got: list[dict], want: list[dict]) -> None:
+    assert [r["path"] for r in got] == [r["path"] for r in want]  # order and each exactly once
+    assert [r["caption"] for r in got] == [r["caption"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert float(a["score"]) == pytest.approx(float(b["score"]), abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def one_process(photos) -> list[dict]:
+    """The reference: one process, batches of 4."""
+    code, err = finished(sat_caption(["photos", "-o", "one.jsonl", "--batch-size", "4"],
+                                     photos.parent))
+    assert code == 0, err
+    return records(photos.parent / "one.jsonl")
+
+
+@needs_train_mini
+@pytest.mark.slow
+def test_two_processes_write_what_one_writes(photos, one_process):
+    code, err = finished(sat_caption(["photos", "-o", "two.jsonl", "--batch-size", "4",
+                                      "--devices", "2"], photos.parent))
+    assert code == 0, err
+    assert f"{N}/{N} images" in err  # progress counts the photos of both processes
+    assert f"captioned {N}; failed 0" in err
+    same_captions(records(photos.parent / "two.jsonl"), one_process)
+
+
+def processes(mark: str) -> dict[int, tuple[int, str | None]]:
+    """pid -> (parent pid, LOCAL_RANK or None) of every live process of one test run."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if f"SAT_TEST_MARK={mark}".encode() not in env or ") Z " in stat:
+            continue
+        rank = next((v.split(b"=")[1].decode() for v in env if v.startswith(b"LOCAL_RANK=")),
+                    None)
+        found[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), rank)
+    return found
+
+
+def rank_pid(mark: str, rank: int) -> int:
+    """The pid of captioning process ``rank`` (not one of its image-decoding workers)."""
+    procs = processes(mark)
+    for pid, (ppid, local_rank) in procs.items():
+        parent = procs.get(ppid)
+        if rank == 0 and local_rank is None and parent is None:
+            return pid
+        if rank > 0 and local_rank == str(rank) and parent is not None and parent[1] is None:
+            return pid
+    raise AssertionError(f"no process of rank {rank} in {procs}")
+
+
+def wait_for_records(path: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file() and path.read_bytes().count(b"\n") >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"sat caption ended before {n} records: {proc.communicate()[1]}")
+        time.sleep(0.02)
+    pytest.fail(f"no {n} records in {timeout} s")
+
+
+@needs_train_mini
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["kill rank 1", "kill rank 0", "kill all", "ctrl-c"])
+def test_stopped_then_resumed(photos, one_process, stop):
+    """Batches of one photo keep the run slow enough to stop midway."""
+    fmt = "csv" if stop == "kill rank 1" else "jsonl"
+    out = photos.parent / f"stopped-{stop.replace(' ', '-')}.{fmt}"
+    args = ["photos", "-o", out.name, "--batch-size", "1", "--devices", "2"]
+    mark = uuid.uuid4().hex
+    proc = sat_caption(args, photos.parent, mark, start_new_session=True)
+    wait_for_records(out, 8, proc)
+    if stop == "kill all":
+        os.killpg(proc.pid, signal.SIGKILL)
+    elif stop == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole group
+    else:
+        os.kill(rank_pid(mark, int(stop[-1])), signal.SIGKILL)
+    code, err = finished(proc, 60)
+    deadline = time.monotonic() + 60  # the other processes notice and stop
+    while processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes(mark), "a captioning process outlived the run"
+    if stop == "ctrl-c":
+        assert code == 130 and "interrupted" in err and "--resume" in err, err
+    else:
+        assert code != 0
+    partial = records(out)
+    assert 8 <= len(partial) < N
+    same_captions(partial, one_process[: len(partial)])  # a prefix, in input order
+
+    code, err = finished(sat_caption([*args, "--resume"], photos.parent))
+    assert code == 0, err
+    assert f"skipped {len(partial)} already in" in err
+    same_captions(records(out), one_process)
+
+
+def test_batches_are_shared_out_once_in_order():
+    for n, size, world in [(60, 4, 2), (61, 4, 3), (5, 16, 4), (1, 1, 2)]:
+        batches, _ = _share(n, size, 0, world)
+        mine = [_share(n, size, r, world)[1] for r in range(world)]
+        assert sorted(g for m in mine for g in m) == list(range(len(batches)))
+        assert [i for b in batches for i in b] == list(range(n))
+        # step s of every process holds batches s*world .. s*world + world - 1
+        for r, m in enumerate(mine):
+            assert all(g % world == r for g in m)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--devices", "0"], "--devices and --num-nodes must be at least 1"),
+    (["--devices", "2", "--device", "cuda:1"], "names one device"),
+])
+def test_usage_errors(argv, message, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.jpg").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert main(["caption", "a.jpg", *argv]) == 2
+    assert message in capsys.readouterr().err
