@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, SHARED
 
 from showattendtell.cli import main
-from showattendtell.commands.caption import _share
+from showattendtell.distributed import share_batches
 
 TRAIN_MINI = SHARED / "data" / "coco2017_train_mini" / "images"
 N = 60
@@ -164,8 +164,8 @@ def test_stopped_then_resumed(photos, one_process, stop):
 
 def test_batches_are_shared_out_once_in_order():
     for n, size, world in [(60, 4, 2), (61, 4, 3), (5, 16, 4), (1, 1, 2)]:
-        batches, _ = _share(n, size, 0, world)
-        mine = [_share(n, size, r, world)[1] for r in range(world)]
+        batches, _ = share_batches(n, size, 0, world)
+        mine = [share_batches(n, size, r, world)[1] for r in range(world)]
         assert sorted(g for m in mine for g in m) == list(range(len(batches)))
         assert [i for b in batches for i in b] == list(range(n))
         # step s of every process holds batches s*world .. s*world + world - 1

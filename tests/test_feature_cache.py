@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import write_flickr8k_folder
+from conftest import ROOT, write_flickr8k_folder
 
 from showattendtell.data.datamodule import CaptionDataModule
 from showattendtell.data.datasets import load_split
@@ -169,3 +172,44 @@ def test_datamodule_trains_from_the_cache_and_skips_bad_images(tmp_path, caplog)
     assert batches[0]["inputs"].shape[1:] == (4, 2048)
     val = next(iter(dm.val_dataloader()))
     assert val["inputs"].shape == (2, 4, 2048)
+
+
+def test_writers_never_share_a_file(tmp_path, encoder, images, expected):
+    """Two processes filling one cache (`sat features --trainer.devices 2`), interleaved: each
+    names its own shards and failures, and a reader sees them all."""
+    first = FeatureCache.for_config(tmp_path, CONFIG)
+    second = FeatureCache.for_config(tmp_path, CONFIG)  # opened before the first wrote
+    assert _extract(first, images[:4], encoder, writer="-r000") == 4
+    assert _extract(second, images[4:], encoder, writer="-r001") == N - 4
+    names = sorted(f.name for f in first.dir.glob("shard-*.npy"))
+    assert names == ["shard-00000-r000.npy", "shard-00001-r001.npy"]
+    both = FeatureCache.for_config(tmp_path, CONFIG)
+    assert len(both) == N and both.missing(images) == []
+    for key, want in expected.items():
+        _assert_close(both[key], want)
+
+
+@pytest.mark.slow
+def test_sat_features_on_two_processes(tmp_path):
+    """`sat features --trainer.devices 2` (gloo, CPU): every image once, the same features as
+    one process."""
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=12, n_dev=4)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    caches = {}
+    for devices in ("1", "2"):
+        cmd = [sys.executable, "-m", "showattendtell.cli", "features", "--config",
+               str(ROOT / "configs" / "tiny.yaml"), "--data.root", str(root),
+               "--data.feature_cache", f"cache{devices}", "--data.extract_batch_size", "2",
+               "--trainer.devices", devices, "--trainer.accelerator", "cpu"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (folder,) = (tmp_path / f"cache{devices}").iterdir()
+        caches[devices] = FeatureCache(folder)
+    one, two = caches["1"], caches["2"]
+    assert len(two) == len(one) == 16
+    keys = [k for s in two.shards for k in json.loads(s.with_suffix(".keys.json").read_text())]
+    assert sorted(keys) == sorted(one.index)  # every image in exactly one shard
+    assert {s.name.split("-")[-1] for s in two.shards} == {"r000.npy", "r001.npy"}
+    for key in one.index:
+        np.testing.assert_allclose(two[key].numpy(), one[key].numpy(), rtol=2e-3, atol=1e-3)

@@ -34,6 +34,15 @@ def accelerator_for(device: str) -> str:
                      "--device cpu")
 
 
+def share_batches(n: int, batch_size: int, rank: int, world: int) -> tuple[list[range], list[int]]:
+    """Batch ``g`` of the ``n`` inputs goes to process ``g % world``: (every batch, as ranges of
+    input positions; the batches of ``rank``). Step ``s`` of every process handles batches
+    ``s * world ... s * world + world - 1``, so the first process receives them in input order
+    and what it writes is in input order, whatever the number of processes."""
+    batches = [range(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+    return batches, list(range(rank, len(batches), world))
+
+
 class Processes:
     """This process's place among ``devices`` x ``num_nodes`` processes, and the collectives
     the callers need: ``broadcast`` (from rank 0) and ``gather`` (to rank 0)."""

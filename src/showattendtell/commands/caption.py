@@ -232,15 +232,6 @@ def _nothing_to_do(plan: Plan, args: argparse.Namespace) -> int:
     return 0
 
 
-def _share(n: int, batch_size: int, rank: int, world: int) -> tuple[list[range], list[int]]:
-    """Batch ``g`` of the ``n`` inputs goes to process ``g % world``: (every batch, as ranges of
-    input positions; the batches of ``rank``). Step ``s`` of every process handles batches
-    ``s * world ... s * world + world - 1``, so the first process receives them in input order
-    and the output file is always in input order, whatever the number of processes."""
-    batches = [range(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
-    return batches, list(range(rank, len(batches), world))
-
-
 def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
                   decoding: dict[str, Any], writer: Writer, fresh: bool, overlays: Path | None,
                   procs: Processes) -> int:
@@ -248,11 +239,12 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
     records from all of them and writes them, in input order, one whole record per write.
     One writer means a kill of any process loses at most the records of the step in flight and
     never leaves a duplicate: the file is what --resume continues."""
+    from showattendtell.distributed import share_batches
     from showattendtell.pipeline import caption_files
     from showattendtell.progress import Progress
 
     todo, main = plan.todo, procs.rank == 0
-    batches, mine = _share(len(todo), args.batch_size, procs.rank, procs.world_size)
+    batches, mine = share_batches(len(todo), args.batch_size, procs.rank, procs.world_size)
     workers = args.workers
     if workers is None:  # the processes of one machine share its cores
         workers = max(1, default_workers() // procs.local_world_size)

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import lightning as L
 from jsonargparse import ArgumentError
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from showattendtell.data.datamodule import CaptionDataModule
+from showattendtell.distributed import Processes, share_batches
 from showattendtell.errors import UsageError
 from showattendtell.lit_module import CaptionModule
 
@@ -182,7 +184,24 @@ def train(args: list[str]) -> int:
 
 
 def extract_features(args: list[str]) -> int:
-    """`sat features --config X.yaml`: fill the feature cache exactly as `sat train` would."""
+    """`sat features --config X.yaml`: fill the feature cache exactly as `sat train` would;
+    with ``--trainer.devices N`` (and ``--trainer.num_nodes M``) N x M processes share it out."""
     cli = build_cli(args)
-    cli.datamodule.prepare_data()
+    trainer, dm = cli.trainer, cli.datamodule
+    accelerator = "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
+    procs = Processes(trainer.num_devices, trainer.num_nodes, accelerator)
+    procs.launch()
+    found = dm.features_to_extract()  # on every process, before any of them writes
+    procs.barrier()
+    if found is not None and found[1]:
+        cache, todo = found
+        batches, mine = share_batches(len(todo), dm.hparams.extract_batch_size, procs.rank,
+                                      procs.world_size)
+        procs.share_cores(None)
+        dm.extract_features(cache, [todo[i] for g in mine for i in batches[g]],
+                            procs.device("cuda" if accelerator == "cuda" else "cpu"),
+                            writer=f"-r{procs.rank:03d}" if procs.world_size > 1 else "")
+    procs.barrier()
+    if procs.rank == 0:
+        dm.log_cache()
     return 0

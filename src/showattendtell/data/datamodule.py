@@ -176,22 +176,38 @@ class CaptionDataModule(L.LightningDataModule):
             cache = FeatureCache.for_config(self.hparams.feature_cache, self.encoder_config)
         return _Source(cache, self.encoder_config.input_size)
 
-    def prepare_data(self) -> None:
-        """Fill the feature cache (once, on one process) for the train and validation images."""
+    def features_to_extract(self) -> tuple[FeatureCache, list[CaptionedImage]] | None:
+        """The feature cache and its missing train + validation images (None: no cache)."""
         if not self.hparams.feature_cache:
-            return
+            return None
         cache = FeatureCache.for_config(self.hparams.feature_cache, self.encoder_config)
         train = self.split(self.hparams.train_split)
         train.require_images()
-        todo = cache.missing(train.images + self.val_images())
-        if todo:
-            log.info("extracting encoder features of %d images into %s", len(todo), cache.dir)
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            cache.extract(todo, Encoder(self.encoder_config), self.hparams.extract_batch_size,
-                          self.hparams.num_workers, device=device)
-        log.info("feature cache %s: %d images, %.2f GB%s", cache.dir, len(cache),
-                 cache.size_bytes() / 1e9,
-                 f", {len(cache.failed)} undecodable (failed.json)" if cache.failed else "")
+        return cache, cache.missing(train.images + self.val_images())
+
+    def extract_features(self, cache: FeatureCache, images: list[CaptionedImage],
+                         device: str | None = None, writer: str = "") -> int:
+        """Encode ``images`` into ``cache`` (``writer``: see FeatureCache.extract)."""
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        log.info("extracting encoder features of %d images into %s", len(images), cache.dir)
+        return cache.extract(images, Encoder(self.encoder_config),
+                             self.hparams.extract_batch_size, self.hparams.num_workers,
+                             device=device, writer=writer)
+
+    def log_cache(self) -> None:
+        if self.hparams.feature_cache:
+            cache = FeatureCache.for_config(self.hparams.feature_cache, self.encoder_config)
+            log.info("feature cache %s: %d images, %.2f GB%s", cache.dir, len(cache),
+                     cache.size_bytes() / 1e9,
+                     f", {len(cache.failed)} undecodable (failed*.json)" if cache.failed else "")
+
+    def prepare_data(self) -> None:
+        """Fill the feature cache (once, on one process) for the train and validation images;
+        `sat features --trainer.devices N` shares the work out instead (commands/train.py)."""
+        found = self.features_to_extract()
+        if found is not None and found[1]:
+            self.extract_features(*found)
+        self.log_cache()
 
     def setup(self, stage: str | None = None) -> None:
         source, h = self._source(), self.hparams

@@ -9,6 +9,9 @@ input size never reads stale features):
         shard-00000.keys.json      the N image ids of that shard, in row order
         failed.json                images that could not be decoded (id -> reason)
 
+`sat features` over several processes gives each writer its own names (shard-00007-r001.npy,
+failed-r001.json): no file is ever written by two processes.
+
 Shards are written whole to a temporary name and renamed, so an interrupted extraction leaves
 only complete shards and resumes with the images that are not in any shard yet. Nothing is held in
 RAM but the index (and one shard being filled), and no file is ever rewritten: a 7x7x2048 (or
@@ -49,7 +52,7 @@ def cache_dir_for(cache_root: str | Path, config: EncoderConfig) -> Path:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # processes may write the same file
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
@@ -69,8 +72,10 @@ class FeatureCache:
             keys = json.loads(shard.with_suffix(".keys.json").read_text())
             for row, key in enumerate(keys):
                 self.index[key] = (s, row)
-        failed = self.dir / "failed.json"
-        self.failed: dict[str, str] = json.loads(failed.read_text()) if failed.is_file() else {}
+        self.failed: dict[str, str] = {}
+        for failed in sorted(self.dir.glob("failed*.json")):
+            self.failed.update(json.loads(failed.read_text()))
+        self.writer = ""  # "-r001": the name suffix of this process's files (see ``extract``)
         self._arrays: dict[int, np.ndarray] = {}  # opened lazily, per process (DataLoader workers)
 
     @classmethod
@@ -132,8 +137,11 @@ class FeatureCache:
         shard_size: int = 1024,
         device: str | torch.device = "cpu",
         progress: bool = True,
+        writer: str = "",
     ) -> int:
-        """Compute and store the features of every image not cached yet; returns how many."""
+        """Compute and store the features of every image not cached yet; returns how many.
+        ``writer`` (e.g. "-r001") names this process's files when several fill the cache."""
+        self.writer = writer
         todo = self.missing(images)
         if not todo:
             return 0
@@ -166,7 +174,15 @@ class FeatureCache:
 
     def _write_failed(self) -> None:
         if self.failed:
-            _atomic_write_text(self.dir / "failed.json", json.dumps(self.failed, indent=1))
+            _atomic_write_text(self.dir / f"failed{self.writer}.json",
+                               json.dumps(self.failed, indent=1))
+
+    def _next_shard_name(self) -> str:
+        """shard-NNNNN (+ this writer's suffix), NNNNN past every shard there is: a shard
+        another process renamed in since this cache was opened is seen too."""
+        numbers = [int(f.name[6:11]) for f in self.dir.glob("shard-*.npy")
+                   if f.name[6:11].isdigit()]
+        return f"shard-{max(numbers, default=-1) + 1:05d}{self.writer}"
 
     def _write_shard(self, keys: list[str], rows: list[np.ndarray], n: int) -> int:
         stacked = np.concatenate(rows)
@@ -174,9 +190,9 @@ class FeatureCache:
         rows.clear()
         if len(rest):
             rows.append(rest)
-        s = len(self.shards)
-        path = self.dir / f"shard-{s:05d}.npy"
-        tmp = self.dir / f".shard-{s:05d}.npy.tmp"
+        s, name = len(self.shards), self._next_shard_name()
+        path = self.dir / f"{name}.npy"
+        tmp = self.dir / f".{name}.npy.tmp"
         with open(tmp, "wb") as f:
             np.save(f, data)
         # keys first, then the array: a shard counts only once its .npy exists
