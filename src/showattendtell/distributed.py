@@ -92,9 +92,18 @@ class Processes:
         """Start the other processes of this machine (they run the same command line from the
         start) and join the process group. A no-op for one process."""
         if self.fabric is not None:
-            # Lightning's banner ("Initializing distributed: GLOBAL_RANK ...") is INFO
-            logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+            # Lightning's banner ("All distributed processes registered ...") is INFO, logged
+            # by whichever of its packages was imported last
+            for name in ("lightning.fabric", "lightning.pytorch"):
+                logging.getLogger(name).setLevel(logging.WARNING)
             self.fabric.launch()
+
+    def close(self) -> None:
+        """Leave the process group (an open gloo group aborts the interpreter at exit)."""
+        import torch.distributed as dist
+
+        if self.fabric is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
     def share_cores(self, threads: int | None) -> None:
         """Give each process of this machine its share of the CPU threads (unless ``threads``)."""

@@ -198,15 +198,23 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(plan, Plan) and not plan.todo and not procs.started_externally:
             return _nothing_to_do(plan, args)
     procs.launch()
-    plan = procs.broadcast(plan)
-    if isinstance(plan, UserError):
-        if procs.rank == 0:
-            raise plan
-        return 0
-    assert plan is not None
-    if not plan.todo:
-        return _nothing_to_do(plan, args) if procs.rank == 0 else 0
+    try:
+        plan = procs.broadcast(plan)
+        if isinstance(plan, UserError):
+            if procs.rank == 0:
+                raise plan
+            return 0
+        assert plan is not None
+        if not plan.todo:
+            return _nothing_to_do(plan, args) if procs.rank == 0 else 0
+        return _caption(args, plan, resume, fmt, decoding, procs)
+    finally:
+        procs.close()
 
+
+def _caption(args: argparse.Namespace, plan: Plan, resume: ResumePoint | None, fmt: str,
+             decoding: dict[str, Any], procs: Processes) -> int:
+    """Load the model on every process, open the output on the first, caption."""
     from showattendtell.inference import load_model
 
     procs.share_cores(args.threads)

@@ -191,17 +191,20 @@ def extract_features(args: list[str]) -> int:
     accelerator = "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
     procs = Processes(trainer.num_devices, trainer.num_nodes, accelerator)
     procs.launch()
-    found = dm.features_to_extract()  # on every process, before any of them writes
-    procs.barrier()
-    if found is not None and found[1]:
-        cache, todo = found
-        batches, mine = share_batches(len(todo), dm.hparams.extract_batch_size, procs.rank,
-                                      procs.world_size)
-        procs.share_cores(None)
-        dm.extract_features(cache, [todo[i] for g in mine for i in batches[g]],
-                            procs.device("cuda" if accelerator == "cuda" else "cpu"),
-                            writer=f"-r{procs.rank:03d}" if procs.world_size > 1 else "")
-    procs.barrier()
-    if procs.rank == 0:
-        dm.log_cache()
+    try:
+        found = dm.features_to_extract()  # on every process, before any of them writes
+        procs.barrier()
+        if found is not None and found[1]:
+            cache, todo = found
+            batches, mine = share_batches(len(todo), dm.hparams.extract_batch_size, procs.rank,
+                                          procs.world_size)
+            procs.share_cores(None)
+            dm.extract_features(cache, [todo[i] for g in mine for i in batches[g]],
+                                procs.device("cuda" if accelerator == "cuda" else "cpu"),
+                                writer=f"-r{procs.rank:03d}" if procs.world_size > 1 else "")
+        procs.barrier()
+        if procs.rank == 0:
+            dm.log_cache()
+    finally:
+        procs.close()
     return 0
