@@ -12,6 +12,7 @@ from showattendtell.cli import main
 
 needs_java = pytest.mark.skipif(not metrics.java_available(), reason="Java is not installed")
 KEYS = ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"]
+REPETITION = ["repeated_bigram_captions", "mean_words"]
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,12 @@ def test_evaluate_coco_subset(model_file, tmp_path, capsys, caplog):
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     scores = json.loads(captured.out.strip().splitlines()[-1])
-    assert list(scores) == KEYS  # SPICE's models are not installed here: skipped
+    assert list(scores) == KEYS + REPETITION  # SPICE's models are not installed: skipped
+    repetition = {k: scores.pop(k) for k in REPETITION}
     assert all(0.0 <= v <= 10.0 for v in scores.values())
     results = json.loads(out.read_text())
+    assert repetition == {k: round(v, 4) for k, v in metrics.repetition(
+        {r["image_id"]: r["caption"] for r in results}).items()}
     assert len(results) == 6
     assert all(isinstance(r["image_id"], int) and isinstance(r["caption"], str) for r in results)
     present = sorted(int(p.stem) for p in (COCO_SUBSET / "images").glob("*.jpg"))[:6]
@@ -76,7 +80,7 @@ def test_evaluate_flickr_skips_an_undecodable_image(model_file, tmp_path, capsys
                "--root", str(root), "--split", "dev", "--num-workers", "0", "--output", str(out)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    assert list(json.loads(captured.out.strip().splitlines()[-1])) == KEYS
+    assert list(json.loads(captured.out.strip().splitlines()[-1])) == KEYS + REPETITION
     results = json.loads(out.read_text())
     assert len(results) == 3 and bad.name not in {r["image_id"] for r in results}
     assert all(r["image_id"].endswith(".jpg") for r in results)  # Flickr: file names

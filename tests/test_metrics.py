@@ -118,3 +118,12 @@ def test_predictions_without_references_are_refused():
         score_captions({"x": "a cat"}, {"y": ["a cat"]}, official=False)
     with pytest.raises(ValueError, match="no captions"):
         score_captions({}, {}, official=False)
+
+
+def test_repetition_counts_captions_that_repeat_a_bigram():
+    from showattendtell.metrics import repetition
+
+    got = repetition({"a": "a man sits at a table at a table", "b": "a dog runs on the grass",
+                      "c": "two dogs two cats", "d": "a a a"})
+    # "at a" / "a table" twice in a; "a a" twice in d; c repeats words but no bigram
+    assert got == {"repeated_bigram_captions": 0.5, "mean_words": (9 + 6 + 4 + 3) / 4}

@@ -119,6 +119,20 @@ def score_captions(
     return scores
 
 
+def repetition(captions: dict[str, str]) -> dict[str, float]:
+    """How often captions repeat themselves ("at a table at a table"): the share of captions in
+    which some word bigram occurs twice, and the mean caption length in words. A generated
+    caption is lower-case words separated by spaces (what the decoder emits)."""
+    repeated, words = 0, 0
+    for caption in captions.values():
+        w = caption.split()
+        bigrams = list(zip(w, w[1:], strict=False))
+        repeated += len(set(bigrams)) < len(bigrams)
+        words += len(w)
+    n = max(len(captions), 1)
+    return {"repeated_bigram_captions": repeated / n, "mean_words": words / n}
+
+
 class CiderDReward:
     """Per-caption CIDEr-D with the idf of a whole training set: the self-critical reward.
 

@@ -1,7 +1,9 @@
 """`sat evaluate`: caption a dataset split and score it with the official COCO caption toolkit.
 
 The last line of standard output is one JSON object keyed by the toolkit's metric names
-(``Bleu_1`` ... ``Bleu_4``, ``METEOR``, ``ROUGE_L``, ``CIDEr``, and ``SPICE`` when it can run);
+(``Bleu_1`` ... ``Bleu_4``, ``METEOR``, ``ROUGE_L``, ``CIDEr``, and ``SPICE`` when it can run),
+with ``repeated_bigram_captions`` (the share of captions that repeat a word bigram) and
+``mean_words``;
 everything else (counts, timings, where the captions went) goes to standard error. The generated
 captions are written in the COCO results format, ``[{"image_id": ..., "caption": ...}, ...]``:
 ``image_id`` is the COCO id (an int) for COCO, the image file name (a string) for Flickr.
@@ -69,7 +71,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from showattendtell.data.datasets import load_split
-    from showattendtell.metrics import require_java, score_captions
+    from showattendtell.metrics import repetition, require_java, score_captions
 
     if args.batch_size < 1 or args.num_workers < 0 or (args.limit is not None and args.limit < 1):
         raise EvaluateError("--batch-size and --limit must be positive, --num-workers >= 0")
@@ -109,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     references = {k: by_id[k].captions for k in captions}
     scores = score_captions(captions, references, official=True, spice=not args.no_spice)
     out = {k: finite_or_none(v, 6) for k, v in scores.items()}
+    out.update({k: round(v, 4) for k, v in repetition(captions).items()})
+    print(f"{out['repeated_bigram_captions']:.1%} of the captions repeat a word bigram; "
+          f"{out['mean_words']:.1f} words a caption", file=sys.stderr)
     if instances is not None:
         from showattendtell.attention_correctness import score_results
 
