@@ -34,6 +34,20 @@ def test_frozen_by_default_and_fine_tuning_last_stages():
     assert not enc.training  # BatchNorm statistics stay frozen
 
 
+def test_the_frozen_stages_and_the_top_compose_to_the_whole():
+    """A fine-tuned encoder's cache keeps the frozen stages' output; the top finishes it."""
+    torch.manual_seed(0)
+    enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, input_size=64,
+                                fine_tune_stages=2))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        below = enc.cached_features(x)
+        assert below.shape == (2, 512, 8, 8)  # layer2's output: layer3 and layer4 are trained
+        torch.testing.assert_close(enc.forward_top(below), enc(x))
+    frozen = Encoder(EncoderConfig(backbone="resnet50", weights=None, input_size=64))
+    assert frozen.cached_features(x).shape == (2, 4, 2048)  # frozen: the annotation grid
+
+
 def test_caffe_style_moves_the_strides():
     enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, caffe_style=True))
     for stage in enc.stages[2:]:

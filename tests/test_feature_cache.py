@@ -113,9 +113,10 @@ def test_another_encoder_config_never_reads_these_features(tmp_path, encoder, im
                   EncoderConfig(backbone="resnet101", weights=None, input_size=64),
                   EncoderConfig(backbone="resnet50", weights=None, input_size=64, grid_size=1)):
         assert len(FeatureCache.for_config(tmp_path, other)) == 0
-    # fine-tuning settings do not change what the frozen encoder computes
-    same = EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=1)
-    assert len(FeatureCache.for_config(tmp_path, same)) == 2
+    # a fine-tuned encoder caches what its frozen stages compute, in a folder of its own
+    tuned = EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=1)
+    assert len(FeatureCache.for_config(tmp_path, tuned)) == 0
+    assert len(FeatureCache.for_config(tmp_path, CONFIG)) == 2
 
 
 def test_another_weights_file_invalidates(tmp_path):
@@ -213,3 +214,33 @@ def test_sat_features_on_two_processes(tmp_path):
     assert {s.name.split("-")[-1] for s in two.shards} == {"r000.npy", "r001.npy"}
     for key in one.index:
         np.testing.assert_allclose(two[key].numpy(), one[key].numpy(), rtol=2e-3, atol=1e-3)
+
+
+def test_fine_tuning_the_top_trains_from_the_frozen_stages_cache(tmp_path):
+    """fine_tune_stages with a feature cache: the cache holds the frozen stages' output (its own
+    folder), training runs the top stages on it and changes only their weights (and the
+    decoder's)."""
+    import lightning as L
+
+    from showattendtell.lit_module import CaptionModule
+
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=6, n_dev=3)
+    enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=1)
+    dm = CaptionDataModule(dataset="flickr8k", root=str(root), feature_cache=str(tmp_path / "c"),
+                           encoder=enc, min_word_count=1, batch_size=8, num_workers=0,
+                           val_images=3, extract_batch_size=4)
+    dm.prepare_data()
+    cache = FeatureCache.for_config(tmp_path / "c", enc)
+    assert cache.dir.name.startswith("resnet50-64px-below-top1-")
+    assert len(cache) == 6 + 3 and cache[next(iter(cache.index))].shape == (1024, 4, 4)
+    torch.manual_seed(0)
+    module = CaptionModule(dm.vocab_words, encoder=enc,
+                           decoder={"embed_dim": 8, "hidden_dim": 16, "attention_dim": 8})
+    before = {k: v.clone() for k, v in module.model.encoder.state_dict().items()}
+    L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=1,
+              enable_model_summary=False).fit(module, datamodule=dm)
+    after = module.model.encoder.state_dict()
+    changed = {k.split(".")[1] for k, v in after.items()
+               if v.is_floating_point() and not torch.equal(v, before[k])}
+    assert changed == {"4"}  # stages.4 (layer4), the one fine-tuned stage

@@ -222,6 +222,7 @@ class Encoder(nn.Module):
         """Freeze everything but the last ``stages`` stages."""
         if not 0 <= stages <= len(self.stages):
             raise ValueError(f"fine_tune_stages must be in 0..{len(self.stages)}")
+        self.config.fine_tune_stages = stages
         for i, stage in enumerate(self.stages):
             stage.requires_grad_(i >= len(self.stages) - stages)
 
@@ -233,11 +234,33 @@ class Encoder(nn.Module):
         # BatchNorm statistics stay frozen even when fine-tuning (small caption batches).
         return super().train(False)
 
+    @property
+    def frozen_stages(self) -> int:
+        """How many stages, from the input, are not trained (all of them unless fine-tuning)."""
+        return len(self.stages) - self.config.fine_tune_stages
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.forward_top(self.forward_frozen(images))
+
+    def forward_frozen(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, S, S) -> the output of the frozen stages (B, C, H, W): what the feature
+        cache stores when the last stages are fine-tuned, so training runs only the top."""
         x = images.contiguous(memory_format=torch.channels_last)
         if self.renormalise:
             x = x * self.input_scale + self.input_shift
-        for stage in self.stages:
+        for stage in self.stages[: self.frozen_stages]:
+            x = stage(x)
+        return x
+
+    def forward_top(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen stages' output (B, C, H, W) -> annotation vectors (B, L, D)."""
+        x = x.contiguous(memory_format=torch.channels_last)
+        for stage in self.stages[self.frozen_stages:]:
             x = stage(x)
         x = self.pool(x)
         return x.flatten(2).transpose(1, 2)  # (B, L, D)
+
+    def cached_features(self, images: torch.Tensor) -> torch.Tensor:
+        """What the feature cache keeps of an image batch: the annotation vectors (B, L, D) of a
+        frozen encoder, the frozen stages' output (B, C, H, W) of a fine-tuned one."""
+        return self.forward_frozen(images) if self.config.fine_tune_stages else self(images)

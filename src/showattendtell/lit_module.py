@@ -202,13 +202,14 @@ class CaptionModule(L.LightningModule):
         return self.model.decoder.config.attention
 
     def annotations(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Cached features (B, L, D) pass through; images (B, 3, S, S) go through the encoder."""
+        """Cached features (B, L, D) pass through; images (B, 3, S, S) go through the encoder;
+        the cached output of the frozen stages (B, C, H, W) goes through the fine-tuned top."""
+        encoder = self.model.encoder
         if inputs.dim() == 3:
             return inputs
-        if self.model.encoder.trainable:
-            return self.model.encoder(inputs)
-        with torch.no_grad():
-            return self.model.encoder(inputs)
+        frozen = inputs.size(1) != 3  # no backbone stage has 3 output channels
+        with torch.set_grad_enabled(encoder.trainable and torch.is_grad_enabled()):
+            return encoder.forward_top(inputs) if frozen else encoder(inputs)
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The run's objective on one batch: (loss, logs)."""

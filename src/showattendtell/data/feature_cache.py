@@ -1,7 +1,8 @@
 """On-disk cache of encoder annotation grids, so a frozen encoder runs once per image.
 
 Layout of one cache (one folder per encoder fingerprint, so another backbone, weights file or
-input size never reads stale features):
+input size never reads stale features; an encoder whose last stages are fine-tuned stores the
+output of the frozen stages below them, (N, C, H, W), in a folder of its own):
 
     <cache_root>/<backbone>-<input>px-<grid>x<grid>-<fingerprint>/
         meta.json                  encoder config, L, D, dtype
@@ -46,8 +47,11 @@ class FeatureCacheError(UserError, ValueError):
 
 
 def cache_dir_for(cache_root: str | Path, config: EncoderConfig) -> Path:
+    """The folder of one encoder's features; an encoder whose last N stages are fine-tuned
+    caches the output of the stages below them instead (``...-below-top2-...``)."""
     g = config.grid
-    name = f"{config.backbone}-{config.input_size}px-{g}x{g}-{config.fingerprint()}"
+    what = f"below-top{config.fine_tune_stages}" if config.fine_tune_stages else f"{g}x{g}"
+    name = f"{config.backbone}-{config.input_size}px-{what}-{config.fingerprint()}"
     return Path(cache_root) / name
 
 
@@ -152,7 +156,7 @@ class FeatureCache:
         t0 = time.monotonic()
         with torch.inference_mode(), Progress(len(todo), "features",
                                               None if progress else False) as bar:
-            for batch, grids in encode_files([im.path for im in todo], encoder,
+            for batch, grids in encode_files([im.path for im in todo], encoder.cached_features,
                                              encoder.config.input_size, batch_size, num_workers,
                                              device, bar):
                 for i, reason in batch.failures():
