@@ -114,3 +114,59 @@ def test_checkpoints_of_the_previous_layout_still_load():
         fresh.load_state_dict(checkpoint["state_dict"])  # strict: no key left over or missing
         if attention == "hard":
             assert float(fresh.objective.baseline) == -3.5
+
+
+def test_leave_one_out_baseline_per_caption():
+    from showattendtell.losses import leave_one_out_mean
+
+    v = torch.tensor([1.0, 2.0, 6.0, -3.0, -3.0, 0.0])  # two captions, 3 samples each
+    torch.testing.assert_close(leave_one_out_mean(v, 3),
+                               torch.tensor([4.0, 3.5, 1.5, -1.5, -1.5, -3.0]))
+
+
+def test_reinforce_with_the_mean_of_other_samples_is_unbiased():
+    """K location samples per caption, each against the mean of the other K - 1: the sampled
+    gradient still matches the exact one (enumerated as in the first test)."""
+    L, T, D, V, K = 3, 2, 5, 12, 4
+    dec = small_decoder(V=V, D=D, attention="hard", seed=1)
+    a = 3 * torch.randn(1, L, D, generator=torch.Generator().manual_seed(3))
+    caps, lengths = torch.tensor([[1, 7, 2]]), torch.tensor([T])
+    params = [dec.attention.annotation_proj.weight, dec.hidden_proj.weight]
+    seqs = torch.tensor(list(itertools.product(range(L), repeat=T)))
+    out = dec(a.expand(9, -1, -1), caps.expand(9, -1), lengths.expand(9), mode="forced",
+              locations=seqs)
+    exact = torch.autograd.grad((out.location_log_prob.exp() * caption_log_likelihood(out, 9))
+                                .sum(), params)
+    N = 60000  # 15000 captions (the same one) x K samples
+    torch.manual_seed(0)
+    out = dec(a.expand(N, -1, -1), caps.expand(N, -1), lengths.expand(N), mode="sample")
+    terms = hard_attention_loss(out, N, baseline=None, entropy_weight=0.0, samples=K)
+    sampled = torch.autograd.grad(-terms.loss, params)
+    e = torch.cat([x.flatten() for x in exact])
+    s = torch.cat([x.flatten() for x in sampled])
+    assert (e - s).norm() < 0.05 * e.norm(), float((e - s).norm() / e.norm())
+
+
+def test_location_samples_teach_each_caption_k_times_and_leave_b_alone():
+    from showattendtell.decoder import DecoderConfig
+    from showattendtell.encoder import EncoderConfig
+    from showattendtell.lit_module import CaptionModule, HardAttentionConfig, TrainingConfigError
+
+    vocab = ["<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(26)]]
+    enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
+    module = CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0),
+                           hard=HardAttentionConfig(expectation_prob=0.0, location_samples=3))
+    module.train()
+    a, caps, lengths = make_batch(D=2048)
+    loss, logs = module.compute_loss({"inputs": a, "captions": caps, "lengths": lengths})
+    loss.backward()
+    assert torch.isfinite(loss) and "baseline" not in logs
+    assert float(module.objective.baseline) == 0.0
+    assert module.model.decoder.attention.score.weight.grad.abs().sum() > 0
+    try:
+        CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0),
+                      hard=HardAttentionConfig(location_samples=0))
+    except TrainingConfigError as e:
+        assert "location_samples" in str(e)
+    else:
+        raise AssertionError("location_samples 0 was accepted")

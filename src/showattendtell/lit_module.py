@@ -161,6 +161,10 @@ class CaptionModule(L.LightningModule):
         encoder = _as(EncoderConfig, encoder)
         decoder = _as(DecoderConfig, decoder)
         self.hard_cfg = _as(HardAttentionConfig, hard)
+        if self.hard_cfg.location_samples < 1:
+            raise TrainingConfigError("model.hard.location_samples must be 1 (the moving-average "
+                                      "baseline) or K >= 2 (the mean of the other K - 1), not "
+                                      f"{self.hard_cfg.location_samples}")
         self.opt_cfg = _as(OptimizerConfig, optimizer)
         self.val_decoding = _as(DecodingConfig, val_decoding, beam_size=1)
         self.save_hyperparameters({

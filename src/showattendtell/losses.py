@@ -42,24 +42,39 @@ def soft_attention_loss(out: TeacherForcedOutput, batch_size: int, lam: float = 
 def hard_attention_loss(
     out: TeacherForcedOutput,
     batch_size: int,
-    baseline: float,
+    baseline: float | None,
     reward_scale: float = 1.0,
     entropy_weight: float = 0.002,
+    samples: int = 1,
 ) -> LossTerms:
     """Surrogate whose gradient is the paper's eq. 12 (the variational lower bound L_s):
 
         d/dW [log p(y|s,a)] + lambda_r (log p(y|s,a) - b) d/dW [log p(s|a)] + lambda_e d/dW H[s]
 
     with s sampled from the attention. (log p(y|s,a) - b) is a constant reward (detached), so the
-    REINFORCE term is unbiased for any baseline b.
+    REINFORCE term is unbiased for any baseline b that does not depend on s: the moving average
+    (``baseline``), or with ``samples`` K >= 2 location sequences drawn for each caption (rows
+    k*K .. k*K + K - 1 are caption k) and ``baseline`` None, the mean log p(y|s',a) of the
+    caption's other K - 1 samples: a baseline per caption, as self-critical training's.
     """
     if out.location_log_prob is None:
         raise ValueError("hard_attention_loss needs a pass with sampled locations")
     ll = caption_log_likelihood(out, batch_size)
+    if baseline is None:
+        if samples < 2:
+            raise ValueError("the mean-of-others baseline needs 2 or more samples per caption")
+        baseline = leave_one_out_mean(ll.detach(), samples)
     reward = (ll.detach() - baseline) * reward_scale
     objective = ll + reward * out.location_log_prob + entropy_weight * out.entropy
     return LossTerms(-objective.mean(), -ll.sum() / out.targets.numel(), ll)
 
+
+
+def leave_one_out_mean(values: torch.Tensor, k: int) -> torch.Tensor:
+    """For (N*k,) values in groups of k consecutive rows: each row's mean over the k - 1 other
+    rows of its group, (N*k,)."""
+    groups = values.view(-1, k)
+    return ((groups.sum(1, keepdim=True) - groups) / (k - 1)).view(-1)
 
 
 def update_baseline(baseline: float, log_likelihood: torch.Tensor, decay: float = 0.9) -> float:

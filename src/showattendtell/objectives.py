@@ -41,6 +41,9 @@ class HardAttentionConfig:
     entropy_weight: float = 0.002  # lambda_e
     expectation_prob: float = 0.5  # per batch, use the expected (soft) context instead
     baseline_decay: float = 0.9  # b <- 0.9 b + 0.1 log p(y | s, a)
+    # K >= 2: draw K location sequences per caption, each rewarded against the mean of the
+    # other K - 1 (a baseline per caption, no moving average); 1: the paper's moving average
+    location_samples: int = 1
 
 
 class Objective(nn.Module):
@@ -74,7 +77,10 @@ class MaximumLikelihood(Objective):
 class HardAttentionReinforce(Objective):
     """Hard attention (paper section 4.1): locations sampled from alpha, the gradient of the
     lower bound with the moving-average baseline b; with probability ``expectation_prob`` per
-    batch the expected context instead (the paper's 0.5).
+    batch the expected context instead (the paper's 0.5). With ``location_samples`` K >= 2, each
+    caption is taught with K sampled location sequences and each one's baseline is the mean of
+    the other K - 1 (no moving average, nothing to synchronise under DDP); with
+    ``expectation_prob`` 0 the model then learns to caption from its own single locations.
 
     Under DDP every process draws its own batch, but b is one number for the whole run: each
     step the processes add up their sampled captions' log-likelihoods and counts (one
@@ -95,6 +101,15 @@ class HardAttentionReinforce(Objective):
             out = model.decoder(annotations, batch["captions"], batch["lengths"], mode="soft")
             terms = soft_attention_loss(out, B, 0.0)
             self._move_baseline(None, annotations.device)
+            return terms.loss, {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
+        K = cfg.location_samples
+        if K > 1:  # K sampled passes per caption, each against the mean of the other K - 1
+            out = model.decoder(annotations.repeat_interleave(K, 0),
+                                batch["captions"].repeat_interleave(K, 0),
+                                batch["lengths"].repeat_interleave(K, 0), mode="sample")
+            terms = hard_attention_loss(out, B * K, None, cfg.reward_scale,
+                                        cfg.entropy_weight, samples=K)
+            self._move_baseline(None, annotations.device)  # the other processes' all_reduce
             return terms.loss, {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
         out = model.decoder(annotations, batch["captions"], batch["lengths"], mode="sample")
         terms = hard_attention_loss(out, B, float(self.baseline), cfg.reward_scale,
