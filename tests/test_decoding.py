@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import feats, trained_like_decoder
+from search_reference import reference_beam_search, reference_greedy_decode
 from synthetic import make_example
 
 from showattendtell.decoding import END, UNK, beam_search, greedy_decode
@@ -17,6 +18,64 @@ def test_beam_of_one_equals_greedy():
         assert g[0].tokens == b[0].tokens
         assert abs(g[0].log_prob - b[0].log_prob) < 1e-4
         assert torch.allclose(g[0].alphas, b[0].alphas, atol=1e-6)
+
+
+def assert_same_hypotheses(fast, slow):
+    assert len(fast) == len(slow)
+    for hyps_f, hyps_s in zip(fast, slow, strict=True):
+        assert [h.tokens for h in hyps_f] == [h.tokens for h in hyps_s]
+        assert [h.locations for h in hyps_f] == [h.locations for h in hyps_s]
+        for f, s in zip(hyps_f, hyps_s, strict=True):
+            assert abs(f.log_prob - s.log_prob) < 1e-5 and abs(f.score - s.score) < 1e-5
+            assert f.alphas.shape == s.alphas.shape
+            assert torch.allclose(f.alphas, s.alphas, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention,hard_mode", [("soft", "argmax"), ("hard", "argmax"),
+                                                 ("hard", "expectation")])
+@pytest.mark.parametrize("options", [{}, {"no_repeat_ngram": 2}, {"allow_unk": True}])
+@pytest.mark.parametrize("end_shift", [0.0, -1.0, -1.5])
+def test_greedy_gives_what_the_plain_implementation_gives(attention, hard_mode, options,
+                                                          end_shift):
+    dec, a = later_end_decoder(attention, end_shift), feats(B=7)
+    for max_length in (1, 5, 12):
+        assert_same_hypotheses(
+            greedy_decode(dec, a, max_length, hard_mode, **options),
+            reference_greedy_decode(dec, a, max_length, hard_mode, **options))
+
+
+@pytest.mark.parametrize("attention,hard_mode", [("soft", "argmax"), ("hard", "argmax"),
+                                                 ("hard", "expectation")])
+@pytest.mark.parametrize("options", [{}, {"no_repeat_ngram": 2}, {"length_penalty": 1.0},
+                                     {"allow_unk": True}])
+@pytest.mark.parametrize("end_shift", [0.0, -1.0, -1.5])
+def test_beam_search_gives_what_the_plain_implementation_gives(attention, hard_mode, options,
+                                                               end_shift):
+    """Images that finish early leave the batch, the first word is predicted once per image and
+    beams share their image's grid: none of it may change a hypothesis."""
+    dec, a = later_end_decoder(attention, end_shift), feats(B=7)
+    for beam_size, max_length in ((1, 8), (2, 1), (3, 12), (5, 10)):
+        assert_same_hypotheses(
+            beam_search(dec, a, beam_size, max_length, hard_mode=hard_mode, **options),
+            reference_beam_search(dec, a, beam_size, max_length, hard_mode=hard_mode, **options))
+
+
+def later_end_decoder(attention="soft", end_shift=-1.0):
+    """Captions of several lengths: images are done at different steps."""
+    dec = trained_like_decoder(attention)
+    with torch.no_grad():
+        dec.out_vocab.bias[END] += end_shift
+    return dec
+
+
+def test_beam_search_steps_only_the_rows_that_can_change_a_result():
+    dec, a = later_end_decoder(), feats(B=7)
+    rows, step = [], dec.step
+    dec.step = lambda words, state, mode: rows.append(len(words)) or step(words, state, mode)
+    hyps = beam_search(dec, a, beam_size=3, max_length=12)
+    assert len({max(len(h.tokens) for h in hs) for hs in hyps}) > 1
+    assert rows[0] == 7 and max(rows) == 7 * 3  # the first word once per image
+    assert rows[1:] == sorted(rows[1:], reverse=True) and rows[-1] < 7 * 3  # done: gone
 
 
 def test_beam_returns_one_attention_map_per_emitted_word():

@@ -59,21 +59,41 @@ class TeacherForcedOutput:
 
 @dataclass
 class DecoderState:
-    """What search carries from one word to the next, one row per partial caption."""
+    """What search carries from one word to the next, one row per partial caption.
+
+    Rows come in groups of ``beams`` consecutive rows per image (beam search: the K beams of an
+    image), and the grids are stored once per image, not once per row: beams of one image
+    attend to the same grid, and copying it K times would cost more memory traffic than the
+    attention itself.
+    """
 
     h: torch.Tensor  # (N, H) LSTM hidden state
     c: torch.Tensor  # (N, H) LSTM cell state
-    projected: torch.Tensor  # (N, L, A) W_a a_i + b of the row's image
-    annotations: torch.Tensor  # (N, L, D) the row's image's annotation grid
+    projected: torch.Tensor  # (N / beams, L, A) W_a a_i + b of each image
+    annotations: torch.Tensor  # (N / beams, L, D) each image's annotation grid
+    beams: int = 1  # rows per image
 
     def select(self, rows: torch.Tensor, same_images: bool = False) -> DecoderState:
         """The state of rows ``rows`` (N',): reorders beams, repeats images, drops finished
         captions. ``same_images``: every selected row attends to the same image as the row at
         its new position (beams of one image re-ranked), so the grids need no copy."""
         if same_images:
-            return DecoderState(self.h[rows], self.c[rows], self.projected, self.annotations)
-        return DecoderState(self.h[rows], self.c[rows], self.projected[rows],
-                            self.annotations[rows])
+            return DecoderState(self.h[rows], self.c[rows], self.projected, self.annotations,
+                                self.beams)
+        images = rows if self.beams == 1 else torch.div(rows, self.beams, rounding_mode="floor")
+        return DecoderState(self.h[rows], self.c[rows], self.projected[images],
+                            self.annotations[images])
+
+    def regroup(self, rows: torch.Tensor, beams: int,
+                images: torch.Tensor | None = None) -> DecoderState:
+        """Rows ``rows`` as groups of ``beams`` rows per image, for the images ``images`` (the
+        groups still running, in order; None: all of them). Each selected row must belong to
+        the image of its new group: beam search keeps beams within their image."""
+        if images is None:
+            return DecoderState(self.h[rows], self.c[rows], self.projected, self.annotations,
+                                beams)
+        return DecoderState(self.h[rows], self.c[rows], self.projected[images],
+                            self.annotations[images], beams)
 
 
 class Step(NamedTuple):
@@ -120,19 +140,32 @@ class Decoder(nn.Module):
         annotations: torch.Tensor,
         mode: str,
         locations: torch.Tensor | None = None,
+        beams: int = 1,
     ):
         """Attend and update the LSTM for one word.
 
         gate_x is the embedding part of the gates, (B, 4H). mode: "soft" (expected context),
         "sample" (hard, s_t ~ alpha_t), "argmax" (hard, most likely location) or "forced" (hard,
-        s_t given in ``locations``). Returns h, c, z, alpha, s_t (None for soft).
+        s_t given in ``locations``). ``beams`` > 1: rows come in groups of that many per image
+        of ``projected`` / ``annotations`` (see DecoderState). Returns h, c, z, alpha, s_t (None
+        for soft).
         """
         H = self.config.hidden_dim
         hp = self.hidden_proj(h)
         gates_h, att_h, beta = hp[:, : 4 * H], hp[:, 4 * H : -1], hp[:, -1:]
-        alpha = self.attention.weights(projected, att_h)
+        if beams == 1:
+            alpha = self.attention.weights(projected, att_h)
+        else:  # the same equations, broadcast over each image's beams instead of K grid copies
+            G, L, A = projected.shape
+            e = self.attention.score(torch.tanh(projected.unsqueeze(1)
+                                                + att_h.view(G, beams, 1, A)))
+            alpha = F.softmax(e.view(G * beams, L), dim=1)
         if mode == "soft":
-            s, context = None, expected_context(alpha, annotations)
+            if beams == 1:
+                s, context = None, expected_context(alpha, annotations)
+            else:
+                G, L, D = annotations.shape
+                s, context = None, torch.bmm(alpha.view(G, beams, L), annotations).view(-1, D)
         else:
             if mode == "sample":
                 s = sample_locations(alpha.detach())
@@ -142,7 +175,12 @@ class Decoder(nn.Module):
                 s = locations
             else:
                 raise ValueError(f"unknown attention mode {mode!r}")
-            context = gather_locations(annotations, s)
+            if beams == 1:
+                context = gather_locations(annotations, s)
+            else:
+                image = torch.div(torch.arange(len(s), device=s.device), beams,
+                                  rounding_mode="floor")
+                context = annotations[image, s]
         z = torch.sigmoid(beta + self.beta_bias) * context
         gates = gate_x + gates_h + self.gate_context(z)
         i, f, o, g = gates.chunk(4, 1)
@@ -173,10 +211,12 @@ class Decoder(nn.Module):
             else hard_mode
         emb = self.embedding(prev_words)  # (N, E)
         h, c, z, alpha, s = self.recurrent_step(
-            self.gate_embed(emb), state.h, state.c, state.projected, state.annotations, mode
+            self.gate_embed(emb), state.h, state.c, state.projected, state.annotations, mode,
+            beams=state.beams,
         )
         log_probs = F.log_softmax(self.deep_output(emb, h, z), dim=-1)  # (N, V)
-        return Step(log_probs, alpha, s, DecoderState(h, c, state.projected, state.annotations))
+        return Step(log_probs, alpha, s,
+                    DecoderState(h, c, state.projected, state.annotations, state.beams))
 
     # -- training: teacher forcing over whole captions ---------------------------------------
 

@@ -137,49 +137,52 @@ def greedy_decode(
 ) -> list[list[Hypothesis]]:
     """The most likely word at each step, for a batch of images (B, L, D).
 
-    no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption.
+    no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption. The words, maps and
+    log-probabilities go into preallocated tensors, one indexed write per step, read back to
+    Python once at the end: per-row Python work per word costs as much as a small batch's step.
     """
     B, L, _ = annotations.shape
     dev = annotations.device
+    T = max_length + 1  # steps at most: max_length words and <end>
     state = decoder.start(annotations)
     words = torch.full((B,), START, dtype=torch.long, device=dev)  # (N,) N rows still running
     active = torch.arange(B, device=dev)  # (N,) the image of each running row
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    alphas: list[list[torch.Tensor]] = [[] for _ in range(B)]
-    locs: list[list[int]] = [[] for _ in range(B)]
-    logps = [0.0] * B
+    tokens = torch.full((B, T), END, dtype=torch.long, device=dev)  # (B, T): <end> after the end
+    alphas = annotations.new_zeros(B, T, L)
+    locs = torch.zeros(B, T, dtype=torch.long, device=dev)
+    logps = torch.zeros(B, dtype=torch.float64, device=dev)  # summed in float64, as before
     one_cell = False
-    for t in range(max_length + 1):
+    for t in range(T):
         logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (N, V), (N, L), (N,)
         if t == 0:
             banned = banned_tokens(logp.size(1), dev, allow_unk)
             not_end = torch.arange(logp.size(1), device=dev) != END
             one_cell = s is not None
         logp = logp.masked_fill(banned, float("-inf"))
-        logp = _block_repeats(logp, [tokens[b] for b in active.tolist()], no_repeat_ngram)
+        if no_repeat_ngram > 0:
+            logp = _block_repeats(logp, tokens[active, :t].tolist(), no_repeat_ngram)
         if t == max_length:  # no room for another word: only <end> may follow
             logp = logp.masked_fill(not_end, float("-inf"))
         best, words = logp.max(1)  # (N,), (N,)
-        keep = []
-        for j, b in enumerate(active.tolist()):
-            logps[b] += float(best[j])
-            if int(words[j]) == END:
-                continue
-            tokens[b].append(int(words[j]))
-            alphas[b].append(alpha[j])
-            if s is not None:
-                locs[b].append(int(s[j]))
-            keep.append(j)
-        if not keep:
+        logps[active] += best.double()
+        tokens[active, t] = words
+        alphas[active, t] = alpha
+        if s is not None:
+            locs[active, t] = s
+        running = words != END
+        n = int(running.sum())
+        if n == 0:
             break
-        if len(keep) < len(active):  # captions that ended leave the batch
-            keep_t = torch.tensor(keep, device=dev)
-            active, words, state = active[keep_t], words[keep_t], state.select(keep_t)
+        if n < len(active):  # captions that ended leave the batch
+            keep = running.nonzero().squeeze(1)
+            active, words, state = active[keep], words[keep], state.select(keep)
+    lengths = (tokens != END).sum(1).tolist()  # <end> once, at the end: words before it
+    token_lists, logp_list = tokens.tolist(), logps.tolist()
+    loc_lists = locs.tolist() if one_cell else None
     return [
-        [Hypothesis(tokens[b], logps[b], logps[b],
-                    torch.stack(alphas[b]) if alphas[b] else annotations.new_zeros(0, L),
-                    locs[b] if one_cell else None)]
-        for b in range(B)
+        [Hypothesis(token_lists[b][:n], logp_list[b], logp_list[b], alphas[b, :n],
+                    loc_lists[b][:n] if loc_lists is not None else None)]
+        for b, n in enumerate(lengths)
     ]
 
 
@@ -194,69 +197,81 @@ def beam_search(
     allow_unk: bool = False,
     no_repeat_ngram: int = 0,
 ) -> list[list[Hypothesis]]:
-    """Beam search for a batch of images (B, L, D), all B*K beams stepped together.
+    """Beam search for a batch of images (B, L, D), the beams of all images stepped together.
 
     A beam that emits <end> among the top K candidates of its image is finished; an image is done
     when it has K finished captions (or at max_length). Hypotheses are ranked by
     log_prob / len**length_penalty, len counting <end>. no_repeat_ngram > 0: no n-gram of that
     size occurs twice in a caption. Returns the K best per image.
+
+    Only work that can change a result is done: the first word is predicted once per image (its
+    K beams would be identical), an image that is done leaves the batch, and each image's grid
+    is stored once for its K beams (DecoderState.beams).
     """
     B, L, _ = annotations.shape
     K, dev = beam_size, annotations.device
-    # W_a a once per image, then K rows per image: beam k of image b is row b*K + k
-    state: DecoderState = decoder.start(annotations).select(
-        torch.arange(B, device=dev).repeat_interleave(K))
-    words = torch.full((B * K,), START, dtype=torch.long, device=dev)
-    scores = torch.full((B, K), float("-inf"), device=dev)
-    scores[:, 0] = 0.0  # all beams start identical: keep one
-    hist_tokens = torch.zeros(B * K, 0, dtype=torch.long, device=dev)  # (B*K, t)
-    hist_alpha = torch.zeros(B * K, 0, L, device=dev)  # (B*K, t, L)
-    hist_loc = torch.zeros(B * K, 0, dtype=torch.long, device=dev)  # (B*K, t)
+    state: DecoderState = decoder.start(annotations)  # one row per image until the first word
+    words = torch.full((B,), START, dtype=torch.long, device=dev)
+    scores = annotations.new_zeros(B, 1)  # (G, k): the G images still running, k beams each
+    images = list(range(B))  # the image of each running group
+    hist_tokens = torch.zeros(B, 0, dtype=torch.long, device=dev)  # (G*k, t)
+    hist_alpha = annotations.new_zeros(B, 0, L)  # (G*k, t, L)
+    hist_loc = torch.zeros(B, 0, dtype=torch.long, device=dev)  # (G*k, t)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
     one_cell = False
 
     def norm(logp: float, n: int) -> float:
         return logp / (n**length_penalty) if length_penalty else logp
 
     for t in range(max_length + 1):
-        logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (B*K, V), (B*K, L)
+        logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (G*k, V), (G*k, L)
+        G, k = scores.shape
         V = logp.size(1)
         if t == 0:
             banned = banned_tokens(V, dev, allow_unk)
+            not_end = torch.arange(V, device=dev) != END
             one_cell = s is not None
         logp = logp.masked_fill(banned, float("-inf"))
-        logp = _block_repeats(logp, hist_tokens.tolist(), no_repeat_ngram)
+        if no_repeat_ngram > 0:
+            logp = _block_repeats(logp, hist_tokens.tolist(), no_repeat_ngram)
         if t == max_length:  # no room for another word: only <end> may follow
-            logp[:, torch.arange(V, device=dev) != END] = float("-inf")
-        cand = (scores.view(B * K, 1) + logp).view(B, K * V)
-        top, idx = cand.topk(2 * K, dim=1)  # (B, 2K): enough to refill K after some end
+            logp = logp.masked_fill(not_end, float("-inf"))
+        cand = (scores.view(G * k, 1) + logp).view(G, k * V)
+        top, idx = cand.topk(2 * K, dim=1)  # (G, 2K): enough to refill K after some end
         beam, word = idx // V, idx % V
         is_end = (word == END) & torch.isfinite(top)
 
         # Finish: <end> candidates ranked within the image's top K.
-        for b, j in (is_end[:, :K] & ~done.unsqueeze(1)).nonzero().tolist():
-            src = b * K + int(beam[b, j])
+        ends = is_end[:, :K].nonzero().tolist()
+        if ends:
             n = hist_tokens.size(1)
-            finished[b].append(Hypothesis(
-                hist_tokens[src].tolist(), float(top[b, j]), norm(float(top[b, j]), n + 1),
-                hist_alpha[src].clone(), hist_loc[src].tolist() if one_cell else None,
-            ))
-        done |= torch.tensor([len(f) >= K for f in finished], device=dev)
-        if bool(done.all()) or t == max_length:
+            top_l, beam_l = top.tolist(), beam.tolist()
+            for g, j in ends:
+                src = g * k + beam_l[g][j]
+                finished[images[g]].append(Hypothesis(
+                    hist_tokens[src].tolist(), top_l[g][j], norm(top_l[g][j], n + 1),
+                    hist_alpha[src].clone(), hist_loc[src].tolist() if one_cell else None,
+                ))
+        running = [g for g, b in enumerate(images) if len(finished[b]) < K]
+        if not running or t == max_length:
             break
 
-        # Continue: the K best candidates that are not <end>.
+        # Continue: the K best candidates that are not <end>, for the images still running.
         rank = torch.where(is_end | ~torch.isfinite(top), 2 * K + 1, 0) + torch.arange(
             2 * K, device=dev
         )
-        keep = rank.argsort(1)[:, :K]  # (B, K) positions in the top-2K list
+        keep = rank.argsort(1)[:, :K]  # (G, K) positions in the top-2K list
         new_scores = top.gather(1, keep)
-        src = (beam.gather(1, keep) + torch.arange(B, device=dev).unsqueeze(1) * K).view(-1)
-        words = word.gather(1, keep).view(-1)
-        new_scores = torch.where(words.view(B, K) == END, float("-inf"), new_scores)
-        scores = new_scores.masked_fill(done.unsqueeze(1), float("-inf"))
-        state = state.select(src, same_images=True)  # src stays within each image's K rows
+        src = beam.gather(1, keep) + torch.arange(G, device=dev).unsqueeze(1) * k  # (G, K)
+        words = word.gather(1, keep)  # (G, K)
+        groups = None
+        if len(running) < G:  # images that are done leave the batch
+            groups = torch.tensor(running, device=dev)
+            new_scores, src, words = new_scores[groups], src[groups], words[groups]
+            images = [images[g] for g in running]
+        scores = torch.where(words == END, float("-inf"), new_scores)
+        src, words = src.view(-1), words.view(-1)
+        state = state.regroup(src, K, groups)  # src stays within each image's rows
         hist_tokens = torch.cat([hist_tokens[src], words.unsqueeze(1)], 1)
         hist_alpha = torch.cat([hist_alpha[src], alpha[src].unsqueeze(1)], 1)
         if s is not None:
