@@ -152,7 +152,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "none.ckpt not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["photo", "empty", "folder", "model file", "other pickle"])
+def test_export_of_a_model_file_changes_only_its_stored_decoding(tiny_model_file, tmp_path):
+    from showattendtell.model_file import read_model
+
+    out = tmp_path / "nr2.safetensors"
+    assert main(["export", str(tiny_model_file), str(out), "--no-repeat-ngram", "2"]) == 0
+    (old, old_decoding, _), (new, new_decoding, info) = map(read_model, (tiny_model_file, out))
+    assert new_decoding == old_decoding.with_overrides(no_repeat_ngram=2)
+    assert info["re_exported_from"] == str(tiny_model_file)
+    theirs = old.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in new.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["photo", "empty", "folder", "other pickle"])
 def test_export_of_something_else_is_one_line_of_our_own(kind, tmp_path, tiny_model_file,
                                                          capsys):
     from PIL import Image
@@ -165,8 +177,6 @@ def test_export_of_something_else_is_one_line_of_our_own(kind, tmp_path, tiny_mo
         src.write_bytes(b"")
     elif kind == "folder":
         src.mkdir()
-    elif kind == "model file":
-        src = tiny_model_file
     else:
         torch.save({"weights": torch.zeros(2)}, src)
     assert main(["export", str(src), str(tmp_path / "out.safetensors")]) == 1

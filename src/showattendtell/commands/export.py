@@ -1,4 +1,6 @@
-"""`sat export`: a training checkpoint -> a self-describing, pickle-free model file."""
+"""`sat export`: a training checkpoint -> a self-describing, pickle-free model file; or a model
+file -> the same weights with other stored decoding defaults (e.g. the bundled models'
+``--no-repeat-ngram 2``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from showattendtell.cli_common import add_decoding_args, decoding_overrides
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a training checkpoint as a model file")
-    p.add_argument("checkpoint", help="Lightning .ckpt written by sat train")
+    p.add_argument("checkpoint", help="Lightning .ckpt written by sat train; or a model file "
+                                      "(.safetensors or a `sat models` name) to store other "
+                                      "decoding defaults with its weights")
     p.add_argument("output", help="model file to write (.safetensors)")
     p.add_argument("--half", action="store_true", help="store weights as float16")
     p.add_argument("--interpolate", metavar="MODEL", default=None,
@@ -23,23 +27,40 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from showattendtell.decoding import DecodingConfig
-    from showattendtell.lit_module import load_checkpoint
     from showattendtell.model_file import ModelFileError, save_model
 
-    decoding = DecodingConfig().with_overrides(**decoding_overrides(args))
-    module = load_checkpoint(args.checkpoint)
-    info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
+    overrides = decoding_overrides(args)
+    if _is_model_file(args.checkpoint):  # its weights, its stored decoding with the overrides
+        from showattendtell.catalog import resolve_model
+        from showattendtell.model_file import read_model
+
+        model, stored, info = read_model(resolve_model(args.checkpoint))
+        decoding = stored.with_overrides(**overrides)
+        info = {**info, "re_exported_from": str(args.checkpoint)}
+    else:
+        from showattendtell.lit_module import load_checkpoint
+
+        decoding = DecodingConfig().with_overrides(**overrides)
+        module = load_checkpoint(args.checkpoint)
+        model = module.model
+        info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
     if args.interpolate:
         from showattendtell.catalog import resolve_model
         from showattendtell.model_file import read_model
 
         start, _, _ = read_model(resolve_model(args.interpolate))
         try:
-            module.model.interpolate_(start, args.alpha)
+            model.interpolate_(start, args.alpha)
         except ValueError as e:
             raise ModelFileError(f"cannot interpolate {args.checkpoint} with "
                                  f"{args.interpolate}: {e}") from None
         info.update(interpolated_with=str(args.interpolate), alpha=args.alpha)
-    path = save_model(module.model, args.output, decoding, half=args.half, info=info)
+    path = save_model(model, args.output, decoding, half=args.half, info=info)
     print(f"wrote {path}")
     return 0
+
+
+def _is_model_file(source: str) -> bool:
+    from showattendtell.catalog import named_models
+
+    return source.endswith(".safetensors") or source in named_models()
