@@ -144,7 +144,7 @@ def greedy_decode(
     B, L, _ = annotations.shape
     dev = annotations.device
     T = max_length + 1  # steps at most: max_length words and <end>
-    state = decoder.start(annotations)
+    state = decoder.start(annotations, word_gates=True)
     words = torch.full((B,), START, dtype=torch.long, device=dev)  # (N,) N rows still running
     active = torch.arange(B, device=dev)  # (N,) the image of each running row
     tokens = torch.full((B, T), END, dtype=torch.long, device=dev)  # (B, T): <end> after the end
@@ -210,7 +210,8 @@ def beam_search(
     """
     B, L, _ = annotations.shape
     K, dev = beam_size, annotations.device
-    state: DecoderState = decoder.start(annotations)  # one row per image until the first word
+    # one row per image until the first word
+    state: DecoderState = decoder.start(annotations, word_gates=True)
     words = torch.full((B,), START, dtype=torch.long, device=dev)
     scores = annotations.new_zeros(B, 1)  # (G, k): the G images still running, k beams each
     images = list(range(B))  # the image of each running group

@@ -1,0 +1,58 @@
+"""The decoder's inference shortcuts (decoder.py): each must compute what the plain step does."""
+
+import torch
+from helpers import feats, small_decoder
+
+from showattendtell.decoding import START
+
+
+def test_word_gate_table_gives_the_steps_of_the_matmul():
+    dec, a = small_decoder(seed=3).eval(), feats(B=4)
+    words = torch.tensor([START, 5, 7, 29])
+    with torch.inference_mode():
+        plain = dec.step(words, dec.start(a))
+        table = dec.step(words, dec.start(a, word_gates=True))
+    assert dec.start(a, word_gates=True).word_gates.shape == (30, 4 * 10)
+    for x, y in ((plain.log_probs, table.log_probs), (plain.alpha, table.alpha),
+                 (plain.state.h, table.state.h), (plain.state.c, table.state.c)):
+        assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_word_gate_table_follows_the_weights():
+    dec = small_decoder(seed=3)
+    first = dec.word_gates()
+    assert dec.word_gates() is first  # kept while the weights stay
+    opt = torch.optim.SGD(dec.parameters(), lr=0.1)
+    dec.gate_embed(dec.embedding.weight).sum().backward()
+    opt.step()  # an in-place update, as in training between two validations
+    again = dec.word_gates()
+    assert again is not first
+    assert torch.allclose(again, dec.gate_embed(dec.embedding.weight).detach(), atol=1e-6)
+
+
+def test_no_word_gate_table_when_too_large_or_under_autocast(monkeypatch):
+    dec = small_decoder()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dec.word_gates() is None
+    monkeypatch.setattr(type(dec), "WORD_GATES_MAX_BYTES", 30 * 40 * 4 - 1)
+    assert dec.word_gates() is None
+
+
+def test_grouped_beams_attend_as_rows_with_their_own_grid_copies():
+    """DecoderState.beams: K rows per image share one grid; the step equals K copies'."""
+    for attention, mode in (("soft", "argmax"), ("hard", "argmax")):
+        dec, a = small_decoder(attention=attention, seed=5).eval(), feats(B=3)
+        K = 4
+        words = torch.randint(4, 30, (3 * K,), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            start = dec.start(a)
+            h = torch.randn(3 * K, 10, generator=torch.Generator().manual_seed(1))
+            grouped = start.regroup(torch.arange(3).repeat_interleave(K), K)
+            grouped.h, grouped.c = h, h.flip(1)
+            copied = grouped.select(torch.arange(3 * K))  # one grid copy per row, beams 1
+            assert copied.beams == 1 and copied.projected.shape[0] == 3 * K
+            x, y = dec.step(words, grouped, mode), dec.step(words, copied, mode)
+        assert torch.allclose(x.log_probs, y.log_probs, atol=1e-6)
+        assert torch.allclose(x.alpha, y.alpha, atol=1e-6)
+        if attention == "hard":
+            assert torch.equal(x.location, y.location)
