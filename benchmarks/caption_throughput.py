@@ -3,15 +3,22 @@
 Measures what `sat caption` does (worker processes decoding files, batched encoder, batched
 greedy / beam-3 decoding, JSON lines written) and what the CNN alone costs on the same images
 already in memory, so the ratio says how much loading, decoding and writing add on top of it.
-Warm-up first, then several repetitions; medians are reported. The last line of output is one
-JSON object, for scripts.
+Warm-up first, then several rounds, each timing greedy, beam 3 and the encoder alone one after
+the other (so that a change in the machine's load hits all three alike); medians are reported.
+The last line of output is one JSON object, for scripts. ``--profile`` adds where the time of
+one greedy and one beam-3 run goes (image decoding in the workers, encoder, decoder steps,
+search bookkeeping, results, JSON lines, waiting), so that the gap to the encoder can be
+explained, not guessed.
 
     python benchmarks/caption_throughput.py --model models/flickr8k_lite2_soft.safetensors
+    python benchmarks/caption_throughput.py --profile \
+        --images ../shared/data/coco2017_val_subset/images ../shared/data/coco2017_train_mini/images
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -19,14 +26,15 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from showattendtell.caption_output import Writer
-from showattendtell.images import list_images
+from showattendtell.images import list_images, load_image
 from showattendtell.inference import Captioner, load_model
 from showattendtell.pipeline import caption_files, default_workers
 
@@ -38,16 +46,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_rate(fn: Callable[[], int], repeats: int, device: torch.device) -> float:
-    """Median images/s of ``repeats`` runs of ``fn`` (which returns how many images it did)."""
-    rates = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        n = fn()
-        sync(device)
-        rates.append(n / (time.perf_counter() - t0))
-    return statistics.median(rates)
+def rate(fn: Callable[[], int], device: torch.device) -> float:
+    """Images/s of one run of ``fn`` (which returns how many images it did)."""
+    sync(device)
+    t0 = time.perf_counter()
+    n = fn()
+    sync(device)
+    return n / (time.perf_counter() - t0)
 
 
 def end_to_end(captioner: Captioner, paths: list[str], batch_size: int, workers: int,
@@ -82,6 +87,103 @@ def latencies_ms(captioner: Captioner, paths: list[str], beam_size: int) -> list
     return out
 
 
+class Timers:
+    """Wall time spent inside wrapped callables, by name (main process only)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+
+@contextlib.contextmanager
+def instrumented(captioner: Captioner, timers: Timers) -> Iterator[None]:
+    """Time the encoder, the search, its decoder steps and the whole per-batch result step by
+    wrapping them on these instances (the library itself carries no timing code)."""
+    targets = [(captioner, "encode", "encoder"), (captioner, "caption_annotations", "results"),
+               (captioner.model, "generate", "search"),
+               (captioner.model.decoder, "start", "decoder start"),
+               (captioner.model.decoder, "step", "decoder steps")]
+    for obj, attr, name in targets:
+        object.__setattr__(obj, attr, timers.wrap(name, getattr(obj, attr)))
+    try:
+        yield
+    finally:
+        for obj, attr, _ in targets:
+            object.__delattr__(obj, attr)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(this process, its finished children) user + system CPU seconds."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def profile_run(captioner: Captioner, paths: list[str], batch_size: int, workers: int,
+                beam_size: int) -> dict[str, float]:
+    """One end-to-end run with every main-process stage timed, in ms per image; the workers'
+    CPU time is what their processes used (they exit at the end of the run)."""
+    timers = Timers()
+    cpu0 = cpu_seconds()
+    t0 = time.perf_counter()
+    with instrumented(captioner, timers), open(os.devnull, "wb", buffering=0) as sink:
+        writer = Writer("jsonl", False, sink)
+        write = timers.wrap("JSON lines", writer.write)
+        for rec in caption_files(captioner, paths, batch_size, workers, beam_size=beam_size):
+            write(rec)
+    wall = time.perf_counter() - t0
+    cpu1 = cpu_seconds()
+    sec = timers.seconds
+    per = 1000 / len(paths)
+    start, steps = sec.get("decoder start", 0.0), sec.get("decoder steps", 0.0)
+    parts = {
+        "encoder": sec["encoder"],
+        "decoder start (W_a a)": start,
+        "decoder steps": steps,
+        "search bookkeeping": sec["search"] - start - steps,
+        "results (words, attention maps)": sec["results"] - sec["search"],
+        "JSON lines": sec["JSON lines"],
+    }
+    parts["waiting for images, other"] = wall - sum(parts.values())
+    out = {k: round(v * per, 2) for k, v in parts.items()}
+    out["total"] = round(wall * per, 2)
+    out["main process CPU"] = round((cpu1[0] - cpu0[0]) * per, 2)
+    out["worker processes CPU"] = round((cpu1[1] - cpu0[1]) * per, 2)
+    return out
+
+
+def decode_cost_ms(paths: list[str], input_size: int) -> float:
+    """Decode + resize + normalise of one image on one core (what a worker does), ms/img."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    try:
+        t0 = time.perf_counter()
+        for p in paths:
+            load_image(p, input_size)
+        return (time.perf_counter() - t0) * 1000 / len(paths)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def print_profile(profiles: dict[str, dict[str, float]], encoder_ms: float,
+                  decode_ms: float, cores: int) -> None:
+    names = list(next(iter(profiles.values())))
+    print(f"where the time goes, ms per image (encoder alone {encoder_ms:.2f}; image decoding "
+          f"on one core {decode_ms:.2f} = {decode_ms / encoder_ms:.0%} of the encoder, "
+          f"{cores} cores)")
+    print(f"  {'':<34}" + "".join(f"{k:>10}" for k in profiles))
+    for name in names:
+        print(f"  {name:<34}" + "".join(f"{p[name]:>10.2f}" for p in profiles.values()))
+
+
 def peak_memory_mb(device: torch.device) -> dict[str, float]:
     mem = {
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -95,7 +197,8 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model file (default: the bundled model)")
-    ap.add_argument("--images", default=str(DEFAULT_IMAGES), help="folder of images")
+    ap.add_argument("--images", nargs="+", default=[str(DEFAULT_IMAGES)],
+                    help="folders (or files) of images, read in place")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=("cpu", "cuda"))
     ap.add_argument("--batch-size", type=int, default=16)
@@ -104,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="use only the first N images")
     ap.add_argument("--latency-images", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where the time of a greedy and a beam-3 run goes")
     args = ap.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    paths = [str(p) for p in list_images([args.images])][: args.limit]
+    paths = [str(p) for p in list_images(args.images)][: args.limit]
     if not paths:
         raise SystemExit(f"no images in {args.images}")
     captioner = load_model(args.model, args.device)
@@ -121,15 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     latencies_ms(captioner, paths[:2], 3)
 
     lat = latencies_ms(captioner, paths[: args.latency_images], 3)
-    greedy = median_rate(lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1),
-                         args.repeats, dev)
-    beam3 = median_rate(lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 3),
-                        args.repeats, dev)
     tensors = [captioner.preprocess(p) for p in paths]
     batches = [torch.stack(tensors[i: i + args.batch_size]).to(dev)
                for i in range(0, len(tensors), args.batch_size)]
     encoder_alone(captioner, batches[:1])
-    encoder = median_rate(lambda: encoder_alone(captioner, batches), args.repeats, dev)
+    rounds = []
+    for _ in range(args.repeats):
+        rounds.append((
+            rate(lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1), dev),
+            rate(lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 3), dev),
+            rate(lambda: encoder_alone(captioner, batches), dev),
+        ))
+    greedy, beam3, encoder = (statistics.median(r) for r in zip(*rounds, strict=True))
+    profiles = {}
+    if args.profile:
+        profiles = {name: profile_run(captioner, paths, args.batch_size, args.workers, beam)
+                    for name, beam in (("greedy", 1), ("beam 3", 3))}
+        decode_ms = decode_cost_ms(paths, captioner.input_size)
 
     result = {
         "model": captioner.name,
@@ -149,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         "encoder_images_per_s": round(encoder, 2),
         "ratio_greedy_to_encoder": round(greedy / encoder, 3),
         "ratio_beam3_to_encoder": round(beam3 / encoder, 3),
+        "rounds_images_per_s": [[round(x, 2) for x in r] for r in rounds],
         **peak_memory_mb(dev),
+        **({"profile_ms_per_image": profiles, "decode_ms_per_image_one_core": round(decode_ms, 2)}
+           if profiles else {}),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
@@ -172,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+    if profiles:
+        print_profile(profiles, 1000 / encoder, decode_ms, os.cpu_count() or 1)
     print(json.dumps(result))
     return 0
 
