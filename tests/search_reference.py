@@ -9,7 +9,30 @@ from __future__ import annotations
 import torch
 
 from showattendtell.decoder import Decoder, DecoderState
-from showattendtell.decoding import END, START, Hypothesis, _block_repeats, banned_tokens
+from showattendtell.decoding import END, START, Hypothesis, banned_tokens
+
+
+def _block_repeats(logp: torch.Tensor, histories: list[list[int]], n: int) -> torch.Tensor:
+    """-inf for every word that would repeat an n-gram already in its row's caption.
+
+    The ``no_repeat_ngram_size`` of Hugging Face's generate, written out here because that
+    function is tied to its own models; histories[r] is row r's caption so far.
+    """
+    if n <= 0:
+        return logp
+    rows, words = [], []
+    for r, hist in enumerate(histories):
+        if len(hist) < n - 1:
+            continue
+        prefix = hist[len(hist) - n + 1:]
+        for i in range(len(hist) - n + 1):
+            if hist[i:i + n - 1] == prefix:
+                rows.append(r)
+                words.append(hist[i + n - 1])
+    if rows:
+        logp = logp.clone()
+        logp[rows, words] = float("-inf")
+    return logp
 
 
 @torch.inference_mode()

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 import torch
 from helpers import feats, trained_like_decoder
+from search_reference import _block_repeats as reference_block_repeats
 from search_reference import reference_beam_search, reference_greedy_decode
 from synthetic import make_example
 
-from showattendtell.decoding import END, UNK, beam_search, greedy_decode
+from showattendtell.decoding import END, UNK, _block_repeats, beam_search, greedy_decode
 
 
 def test_beam_of_one_equals_greedy():
@@ -66,6 +67,16 @@ def later_end_decoder(attention="soft", end_shift=-1.0):
     with torch.no_grad():
         dec.out_vocab.bias[END] += end_shift
     return dec
+
+
+def test_ngram_blocking_bans_what_the_per_row_loop_bans():
+    gen = torch.Generator().manual_seed(0)
+    for t in range(0, 9):
+        hist = torch.randint(4, 8, (6, t), generator=gen)  # few words: many repeats
+        logp = torch.randn(6, 10, generator=gen)
+        for n in range(0, 5):
+            assert torch.equal(_block_repeats(logp, hist, n),
+                               reference_block_repeats(logp, hist.tolist(), n))
 
 
 def test_beam_search_steps_only_the_rows_that_can_change_a_result():

@@ -103,27 +103,27 @@ def banned_tokens(vocab_size: int, device, allow_unk: bool = False) -> torch.Ten
     return mask
 
 
-def _block_repeats(logp: torch.Tensor, histories: list[list[int]], n: int) -> torch.Tensor:
+def _block_repeats(logp: torch.Tensor, histories: torch.Tensor, n: int) -> torch.Tensor:
     """-inf for every word that would repeat an n-gram already in its row's caption.
 
     The ``no_repeat_ngram_size`` of Hugging Face's generate, written out here because that
-    function is tied to its own models; histories[r] is row r's caption so far.
+    function is tied to its own models; histories (N, t) is each row's caption so far. A few
+    tensor ops per step, whatever the number of rows (a Python loop over the rows' histories
+    cost more than a beam-3 step's bookkeeping).
     """
-    if n <= 0:
+    t = histories.size(1)
+    if n <= 0 or t < n:
         return logp
-    rows, words = [], []
-    for r, hist in enumerate(histories):
-        if len(hist) < n - 1:
-            continue
-        prefix = hist[len(hist) - n + 1:]
-        for i in range(len(hist) - n + 1):
-            if hist[i:i + n - 1] == prefix:
-                rows.append(r)
-                words.append(hist[i + n - 1])
-    if rows:
-        logp = logp.clone()
-        logp[rows, words] = float("-inf")
-    return logp
+    following = histories[:, n - 1:]  # (N, t-n+1): the word after each (n-1)-gram
+    if n == 1:
+        match = torch.ones_like(following, dtype=torch.bool)
+    else:
+        windows = histories.unfold(1, n - 1, 1)[:, : t - n + 1]  # (N, t-n+1, n-1)
+        match = (windows == histories[:, t - n + 1:].unsqueeze(1)).all(2)  # same as the prefix
+    rows, at = match.nonzero(as_tuple=True)
+    if len(rows) == 0:
+        return logp
+    return logp.index_put((rows, following[rows, at]), logp.new_tensor(float("-inf")))
 
 
 @torch.inference_mode()
@@ -160,7 +160,7 @@ def greedy_decode(
             one_cell = s is not None
         logp = logp.masked_fill(banned, float("-inf"))
         if no_repeat_ngram > 0:
-            logp = _block_repeats(logp, tokens[active, :t].tolist(), no_repeat_ngram)
+            logp = _block_repeats(logp, tokens[active, :t], no_repeat_ngram)
         if t == max_length:  # no room for another word: only <end> may follow
             logp = logp.masked_fill(not_end, float("-inf"))
         best, words = logp.max(1)  # (N,), (N,)
@@ -234,7 +234,7 @@ def beam_search(
             one_cell = s is not None
         logp = logp.masked_fill(banned, float("-inf"))
         if no_repeat_ngram > 0:
-            logp = _block_repeats(logp, hist_tokens.tolist(), no_repeat_ngram)
+            logp = _block_repeats(logp, hist_tokens, no_repeat_ngram)
         if t == max_length:  # no room for another word: only <end> may follow
             logp = logp.masked_fill(not_end, float("-inf"))
         cand = (scores.view(G * k, 1) + logp).view(G, k * V)
