@@ -69,6 +69,16 @@ def later_end_decoder(attention="soft", end_shift=-1.0):
     return dec
 
 
+def test_search_under_bf16_autocast_gives_the_plain_implementation_captions():
+    dec, a = later_end_decoder(), feats(B=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for fast, slow in ((greedy_decode(dec, a, 8), reference_greedy_decode(dec, a, 8)),
+                           (beam_search(dec, a, 3, 8), reference_beam_search(dec, a, 3, 8))):
+            assert [[h.tokens for h in x] for x in fast] == [[h.tokens for h in x] for x in slow]
+            assert ([h.alphas.dtype for x in fast for h in x]
+                    == [h.alphas.dtype for x in slow for h in x])
+
+
 def test_ngram_blocking_bans_what_the_per_row_loop_bans():
     gen = torch.Generator().manual_seed(0)
     for t in range(0, 9):

@@ -148,7 +148,7 @@ def greedy_decode(
     words = torch.full((B,), START, dtype=torch.long, device=dev)  # (N,) N rows still running
     active = torch.arange(B, device=dev)  # (N,) the image of each running row
     tokens = torch.full((B, T), END, dtype=torch.long, device=dev)  # (B, T): <end> after the end
-    alphas = annotations.new_zeros(B, T, L)
+    alphas = annotations.new_zeros(0)  # (B, T, L) once the maps' type is known
     locs = torch.zeros(B, T, dtype=torch.long, device=dev)
     logps = torch.zeros(B, dtype=torch.float64, device=dev)  # summed in float64, as before
     one_cell = False
@@ -158,6 +158,7 @@ def greedy_decode(
             banned = banned_tokens(logp.size(1), dev, allow_unk)
             not_end = torch.arange(logp.size(1), device=dev) != END
             one_cell = s is not None
+            alphas = alpha.new_zeros(B, T, L)  # bfloat16 under autocast
         logp = logp.masked_fill(banned, float("-inf"))
         if no_repeat_ngram > 0:
             logp = _block_repeats(logp, tokens[active, :t], no_repeat_ngram)
