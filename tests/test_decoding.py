@@ -61,6 +61,15 @@ def test_beam_search_gives_what_the_plain_implementation_gives(attention, hard_m
             reference_beam_search(dec, a, beam_size, max_length, hard_mode=hard_mode, **options))
 
 
+def test_a_beam_wider_than_half_the_vocabulary():
+    """30 words and beam 20 (the service's largest): fewer candidates than the 2K the search
+    ranks at the first step; the extra ones are dead, and the hypotheses are the plain search's."""
+    dec, a = later_end_decoder(), feats(B=2)
+    for options in ({}, {"no_repeat_ngram": 2}):
+        assert_same_hypotheses(beam_search(dec, a, 20, 2, **options),
+                               reference_beam_search(dec, a, 20, 2, **options))
+
+
 def later_end_decoder(attention="soft", end_shift=-1.0):
     """Captions of several lengths: images are done at different steps."""
     dec = trained_like_decoder(attention)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from showattendtell.decoder import Decoder, DecoderState
 from showattendtell.errors import UsageError
@@ -239,7 +240,10 @@ def beam_search(
         if t == max_length:  # no room for another word: only <end> may follow
             logp = logp.masked_fill(not_end, float("-inf"))
         cand = (scores.view(G * k, 1) + logp).view(G, k * V)
+        if k * V < 2 * K:  # a vocabulary smaller than twice the beam: pad with dead candidates
+            cand = F.pad(cand, (0, 2 * K - k * V), value=float("-inf"))
         top, idx = cand.topk(2 * K, dim=1)  # (G, 2K): enough to refill K after some end
+        idx = idx.clamp_max(k * V - 1)  # a padded (-inf) candidate continues a real beam, dead
         beam, word = idx // V, idx % V
         is_end = (word == END) & torch.isfinite(top)
 
