@@ -4,6 +4,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from showattendtell.images import ImageError, list_images, open_image, preprocess
@@ -166,3 +167,20 @@ def test_caption_recursive_through_a_folder_link(tiny_model_file, tmp_path, caps
                  str(tiny_model_file), "--workers", "0"]) == 0
     [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert record["path"] == str(tmp_path / "top" / "photos" / "a.png")
+
+
+def test_workers_send_uint8_and_normalising_the_batch_gives_preprocess_values(tmp_path):
+    """The pipeline's workers send resized uint8 images (a quarter of float32's bytes); the
+    batch normalised where it arrives is bit for bit what ``preprocess`` gives per image."""
+    from showattendtell.images import load_batches, normalise
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, size in enumerate([(640, 480), (97, 301), (260, 260)]):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (*size[::-1], 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    (batch,) = list(load_batches(paths, 64, batch_size=3, workers=1))
+    assert batch.tensors.dtype == torch.uint8 and batch.tensors.shape == (3, 3, 64, 64)
+    want = torch.stack([preprocess(open_image(p), 64) for p in paths])
+    assert torch.equal(normalise(batch.tensors), want)

@@ -103,8 +103,18 @@ def image_warning(img: Image.Image) -> str | None:
 
 def preprocess(img: Image.Image, input_size: int) -> torch.Tensor:
     """RGB image -> (3, S, S) float tensor, resized (aspect not kept) and ImageNet-normalised."""
-    x = TF.pil_to_tensor(img)
-    x = TF.resize(x, [input_size, input_size], antialias=True)
+    return normalise(resize(img, input_size))
+
+
+def resize(img: Image.Image, input_size: int) -> torch.Tensor:
+    """RGB image -> (3, S, S) uint8 tensor, resized with antialiasing (aspect not kept)."""
+    return TF.resize(TF.pil_to_tensor(img), [input_size, input_size], antialias=True)
+
+
+def normalise(x: torch.Tensor) -> torch.Tensor:
+    """uint8 images (..., 3, S, S) -> float32, ImageNet-normalised. The image pipeline's workers
+    send uint8 (a quarter of the bytes) and this runs on whole batches where they arrive, on the
+    GPU when there is one: the same operations as ``preprocess``, the same values."""
     x = TF.to_dtype(x, torch.float32, scale=True)
     return TF.normalize(x, list(IMAGENET_MEAN), list(IMAGENET_STD))
 
@@ -168,7 +178,8 @@ class ImageBatch:
 
 
 class ImageFiles(Dataset):
-    """A map-style dataset over image paths whose items never raise: errors become records."""
+    """A map-style dataset over image paths whose items never raise: errors become records.
+    Its tensors are resized uint8 images (see ``normalise``)."""
 
     def __init__(self, paths: Sequence[str | Path], input_size: int):
         self.paths, self.input_size = [str(p) for p in paths], input_size
@@ -177,16 +188,18 @@ class ImageFiles(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> LoadedImage:
-        return load_image(self.paths[i], self.input_size, i)
+        return load_image(self.paths[i], self.input_size, i, normalised=False)
 
 
-def load_image(path: str, input_size: int, index: int = 0) -> LoadedImage:
-    """Decode and preprocess one file; never raises: a bad file gives a LoadedImage with an
-    error (a decoder bug on one file must not stop a run over thousands)."""
+def load_image(path: str, input_size: int, index: int = 0,
+               normalised: bool = True) -> LoadedImage:
+    """Decode and preprocess one file (``normalised``: False keeps the resized uint8 image);
+    never raises: a bad file gives a LoadedImage with an error (a decoder bug on one file must
+    not stop a run over thousands)."""
     try:
         img = open_image(path)
-        return LoadedImage(index, path, tensor=preprocess(img, input_size),
-                           warning=image_warning(img))
+        x = preprocess(img, input_size) if normalised else resize(img, input_size)
+        return LoadedImage(index, path, tensor=x, warning=image_warning(img))
     except ImageError as e:
         return LoadedImage(index, path, error=_strip_path(str(e), path))
     except Exception as e:  # noqa: BLE001
@@ -205,7 +218,8 @@ def collate_images(items: list[LoadedImage]) -> ImageBatch:
 
 def load_batches(paths: Sequence[str | Path], input_size: int, batch_size: int, workers: int,
                  pin_memory: bool = False) -> Iterator[ImageBatch]:
-    """Batches of decoded, preprocessed images in input order, decoded by ``workers`` processes."""
+    """Batches of decoded, resized uint8 images in input order, decoded by ``workers``
+    processes (``normalise`` them where they are used)."""
     loader = DataLoader(ImageFiles(paths, input_size), batch_size=batch_size, shuffle=False,
                         num_workers=workers, collate_fn=collate_images, pin_memory=pin_memory,
                         prefetch_factor=4 if workers else None, persistent_workers=False)

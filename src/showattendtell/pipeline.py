@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from showattendtell.images import ImageBatch, load_batches
+from showattendtell.images import ImageBatch, load_batches, normalise
 from showattendtell.progress import Progress
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def encode_files(paths: Sequence[str | Path], encode: Callable[[torch.Tensor], t
     for batch in load_batches(paths, input_size, batch_size, workers, pin):
         grids = None
         if batch.tensors is not None:
-            grids = encode(batch.tensors.to(device, non_blocking=pin))
+            grids = encode(normalise(batch.tensors.to(device, non_blocking=pin)))
         yield batch, grids
         if progress is not None:
             progress(len(batch.items))
