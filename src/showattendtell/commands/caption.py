@@ -266,6 +266,7 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
     show = (True if bar else (False if sys.stderr.isatty() else None)) if main else False
     interrupted = False
     error: str | None = None
+    hint = " (run again with --resume to finish)"  # the disk-full case says more, below
     try:
         if fresh and main:
             writer.header()
@@ -290,12 +291,13 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
         return 1
     except OSError as e:  # a full disk, a vanished network folder: keep what is written
         error = f"cannot write to {args.output or 'standard output'}: {e.strerror or e}"
+        hint = " (free some space and run again with --resume)"
         if not args.output:  # stdout is unusable: keep the interpreter from flushing it again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except RuntimeError as e:  # a collective failed: another process was killed or crashed
         if procs.fabric is None:
             raise
-        error = (f"a captioning process stopped ({str(e).splitlines()[0][:200]})")
+        error = f"a captioning process stopped ({str(e).splitlines()[0][:200]})"
     finally:
         records.close()
         if writer.stream is not None:
@@ -304,7 +306,7 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
         return 0 if error is None else 1
     if error is not None:
         print(f"error: {error}; the {ok + len(failures)} records written before are intact"
-              + (" (run again with --resume to finish)" if args.output else ""),
+              + (hint if args.output else ""),
               file=sys.stderr)
         return 1
     _summary(ok, failures, plan.skipped, len(todo), interrupted, args.output)
