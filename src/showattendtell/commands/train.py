@@ -200,7 +200,7 @@ def extract_features(args: list[str]) -> int:
                                           procs.world_size)
             procs.share_cores(None)
             dm.extract_features(cache, [todo[i] for g in mine for i in batches[g]],
-                                procs.device("cuda" if accelerator == "cuda" else "cpu"),
+                                procs.device(accelerator),
                                 writer=f"-r{procs.rank:03d}" if procs.world_size > 1 else "")
         procs.barrier()
         if procs.rank == 0:

@@ -194,9 +194,12 @@ class CaptionDataModule(L.LightningDataModule):
                              self.hparams.extract_batch_size, self.hparams.num_workers,
                              device=device, writer=writer)
 
-    def log_cache(self) -> None:
+    def log_cache(self, cache: FeatureCache | None = None) -> None:
+        """Say what the cache holds: ``cache`` as this process sees it, or read afresh (after
+        other processes wrote to it)."""
         if self.hparams.feature_cache:
-            cache = FeatureCache.for_config(self.hparams.feature_cache, self.encoder_config)
+            if cache is None:
+                cache = FeatureCache.for_config(self.hparams.feature_cache, self.encoder_config)
             log.info("feature cache %s: %d images, %.2f GB%s", cache.dir, len(cache),
                      cache.size_bytes() / 1e9,
                      f", {len(cache.failed)} undecodable (failed*.json)" if cache.failed else "")
@@ -207,7 +210,7 @@ class CaptionDataModule(L.LightningDataModule):
         found = self.features_to_extract()
         if found is not None and found[1]:
             self.extract_features(*found)
-        self.log_cache()
+        self.log_cache(found[0] if found is not None else None)
 
     def setup(self, stage: str | None = None) -> None:
         source, h = self._source(), self.hparams
