@@ -20,6 +20,8 @@ from showattendtell.attention_correctness import (
     InstancesError,
     category_words,
     cell_coverage,
+    location_attention,
+    score_results,
     word_correctness,
 )
 from showattendtell.cli import main
@@ -187,6 +189,25 @@ def test_aggregation_is_a_ratio_of_means_over_word_occurrences(tmp_path):
                      "uniform": None, "ratio": None, "per_category": {}}
 
 
+def test_hard_attention_from_one_location_is_scored_on_that_cell(tmp_path):
+    """Decoded from one location per word (argmax / sample), all of a word's attention is on the
+    cell it read: scored on that cell, with the distribution's numbers alongside."""
+    instances = CocoInstances(write_instances(tmp_path / "instances.json"))
+    words = ["a", "dog", "and", "a", "man"]
+    att = np.full((5, 2, 2), 0.25)  # the distribution: uniform
+    locations = [(1, 1), (0, 0), (0, 1), (0, 1), (1, 0)]  # "dog" read the dog, "man" did not
+    assert location_attention(locations, 2)[1].tolist() == [[1, 0], [0, 0]]
+    hard = score_results(instances, [(1, words, att, locations, None)])
+    dog, person = instances.mask(1, "dog"), instances.mask(1, "person")
+    assert hard["measured_on"] == "attended locations" and hard["words"] == 2
+    assert hard["per_category"]["dog"]["correctness"] == pytest.approx(dog[:10, :20].mean())
+    assert hard["per_category"]["person"]["correctness"] == 0.0
+    assert hard["distribution"]["ratio"] == pytest.approx(1.0, abs=1e-5)
+    soft = score_results(instances, [(1, words, att, None, None)])
+    assert soft["measured_on"] == "attention weights" and "distribution" not in soft
+    assert soft["ratio"] == pytest.approx(1.0, abs=1e-5)
+
+
 def test_uniform_attention_has_ratio_one_on_real_masks(tmp_path):
     instances = CocoInstances(write_instances(tmp_path / "instances.json"))
     acc = AttentionCorrectness(instances)
@@ -244,9 +265,11 @@ def run_evaluate(capsys, *args):
     return rc, capsys.readouterr()
 
 
-def check_summary(ac: dict, n_images: int) -> None:
-    assert list(ac) == ["words", "images", "skipped_images", "correctness", "uniform", "ratio",
-                        "per_category"]
+def check_summary(ac: dict, n_images: int, measured_on: str = "attention weights") -> None:
+    assert list(ac) == ["measured_on", "words", "images", "skipped_images", "correctness",
+                        "uniform", "ratio", "per_category",
+                        *(["distribution"] if measured_on == "attended locations" else [])]
+    assert ac["measured_on"] == measured_on
     assert ac["images"] + ac["skipped_images"] == n_images
     assert ac["words"] == sum(c["words"] for c in ac["per_category"].values())
     assert ac["per_category"] and ac["per_category"].keys() <= COCO_CATEGORIES
@@ -287,6 +310,17 @@ def test_evaluate_attention_correctness_on_the_train_mini_set(tmp_path, capsys):
     ac = json.loads(captured.out.strip().splitlines()[-1])["attention_correctness"]
     check_summary(ac, 4)
     assert ac["skipped_images"] == 0  # every photo of the mini set has masks
+    # the hard model decoded from its single most likely location: scored on that cell
+    rc, captured = run_evaluate(
+        capsys, "--dataset", "coco", "--root", str(COCO_TRAIN_MINI), "--split", "train",
+        "--instances", str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"),
+        "--limit", "4", "--model", "flickr8k_lite2_hard", "--hard-mode", "argmax",
+        "--output", str(tmp_path / "h.json"))
+    assert rc == 0, captured.err
+    hard = json.loads(captured.out.strip().splitlines()[-1])["attention_correctness"]
+    check_summary(hard, 4, "attended locations")
+    assert list(hard["distribution"]) == ["correctness", "uniform", "ratio"]
+    assert "(attended locations)" in captured.err
 
 
 def one_line_error(rc, captured, match):

@@ -34,7 +34,7 @@ def test_maximum_likelihood_is_the_soft_loss_with_the_doubly_stochastic_term():
     loss, logs = m.compute_loss({"inputs": a, "captions": caps, "lengths": lengths})
     expected = soft_attention_loss(m.model.decoder(a, caps, lengths), a.size(0), 0.7).loss
     torch.testing.assert_close(loss, expected)
-    assert set(logs) == {"loss", "nll", "caption_nll"}
+    assert set(logs) == {"loss", "nll", "caption_nll", "attention_entropy"}
 
 
 def test_the_learning_rate_is_a_closed_form_of_the_epoch():

@@ -170,3 +170,61 @@ def test_location_samples_teach_each_caption_k_times_and_leave_b_alone():
         assert "location_samples" in str(e)
     else:
         raise AssertionError("location_samples 0 was accepted")
+
+
+def test_attention_entropy_penalty_counts_each_word_once_and_sharpens_the_attention():
+    """sum_t H(alpha_t) per caption: log L a word for uniform attention, nothing after the end;
+    training the soft-attention loss with the penalty sharpens the attention, without it not."""
+    import math
+
+    from showattendtell.losses import attention_entropy_per_caption, soft_attention_loss
+
+    B, T, L = 2, 5, 9
+    alphas = torch.full((B, T, L), 1.0 / L)
+    alphas[1, 3:] = 0  # the second caption has 3 words
+    assert torch.allclose(attention_entropy_per_caption(alphas),
+                          torch.tensor([5 * math.log(L), 3 * math.log(L)]))
+
+    a, caps, lengths = make_batch()
+
+    def mean_entropy(dec):
+        with torch.no_grad():
+            out = dec(a, caps, lengths, mode="soft")
+        return float(attention_entropy_per_caption(out.alphas).sum() / lengths.sum())
+
+    def trained(entropy):
+        dec = small_decoder(seed=4)
+        opt = torch.optim.SGD(dec.parameters(), lr=0.1)
+        for _ in range(30):
+            out = dec(a, caps, lengths, mode="soft")
+            terms = soft_attention_loss(out, a.size(0), lam=0.0, entropy=entropy)
+            opt.zero_grad()
+            terms.loss.backward()
+            opt.step()
+        return dec
+
+    start = mean_entropy(small_decoder(seed=4))
+    out = small_decoder(seed=4)(a, caps, lengths, mode="soft")
+    plain = soft_attention_loss(out, a.size(0), lam=0.0)
+    with_penalty = soft_attention_loss(out, a.size(0), lam=0.0, entropy=0.5)
+    assert torch.allclose(with_penalty.loss - plain.loss,
+                          0.5 * attention_entropy_per_caption(out.alphas).mean())
+    assert mean_entropy(trained(1.0)) < start - 0.3
+    assert mean_entropy(trained(0.0)) > start - 0.1
+
+
+def test_attention_entropy_is_refused_for_hard_attention_reinforce():
+    import pytest
+
+    from showattendtell.decoder import DecoderConfig
+    from showattendtell.encoder import EncoderConfig
+    from showattendtell.lit_module import CaptionModule, TrainingConfigError
+
+    vocab = ["<pad>", "<start>", "<end>", "<unk>", "a", "b"]
+    enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
+    with pytest.raises(TrainingConfigError, match="model.hard.entropy_weight"):
+        CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0), attention_entropy=0.1)
+    with pytest.raises(TrainingConfigError, match="0 or more"):
+        CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0), attention_entropy=-1)
+    module = CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0), attention_entropy=0.1)
+    assert module.objective.attention_entropy == 0.1

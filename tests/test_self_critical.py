@@ -113,7 +113,7 @@ def test_self_critical_training_raises_the_expected_reward():
         idx = torch.randint(0, 512, (16,))
         loss, logs = module.compute_loss({"inputs": feats[idx], "captions": caps[idx],
                                           "lengths": lengths[idx], "index": idx})
-        assert set(logs) == {"nll", "reward", "reward_cider"}
+        assert set(logs) == {"nll", "reward", "reward_cider", "attention_entropy"}
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -159,7 +159,7 @@ def test_self_critical_reward_adds_the_weighted_meteor():
     module.train()
     _, logs = module.compute_loss({"inputs": feats[idx], "captions": caps[idx],
                                    "lengths": lengths[idx], "index": idx})
-    assert set(logs) == {"nll", "reward", "reward_cider", "reward_meteor"}
+    assert set(logs) == {"nll", "reward", "reward_cider", "reward_meteor", "attention_entropy"}
     assert 0.0 < float(logs["reward_meteor"]) <= 1.0
     assert torch.isclose(logs["reward"], logs["reward_cider"] + 2.0 * logs["reward_meteor"])
     with pytest.raises(ValueError, match="self_critical_meteor"):

@@ -38,8 +38,13 @@ Per word (attention alpha_t, shape (g, g), summing to 1):
   Because cut pixels are shared exactly, this equals the mask's area share |M| / (W H), with no
   cell rounding.
 
-For hard-attention models ``alpha_t`` is the attention distribution the location is chosen
-from (``CaptionResult.attention``), in every ``--hard-mode``.
+For hard attention decoded from one location per word (``--hard-mode argmax`` or ``sample``)
+the decoder reads that one cell (z_t = beta_t a_{s_t}), so all of the word's attention is there:
+``alpha_t`` is one-hot on ``CaptionResult.locations[t]`` (``location_attention``) and the
+summary says ``"measured_on": "attended locations"``, with the same numbers for the
+distribution the locations were chosen from under ``"distribution"``. Otherwise (soft attention,
+or hard attention with the expected context) ``alpha_t`` is ``CaptionResult.attention[t]``
+(``"measured_on": "attention weights"``).
 
 Aggregation
 -----------
@@ -508,11 +513,32 @@ class AttentionCorrectness:
                 "per_category": {name: s.summary() for name, s in cats if s.words}}
 
 
+def location_attention(locations: Sequence[tuple[int, int]], grid: int) -> np.ndarray:
+    """One-hot attention (n_words, g, g) on each word's attended cell (row, col)."""
+    out = np.zeros((len(locations), grid, grid), dtype=np.float32)
+    for t, (r, c) in enumerate(locations):
+        out[t, r, c] = 1.0
+    return out
+
+
 def score_results(instances: CocoInstances,
-                  items: Iterable[tuple[int | None, Sequence[str], np.ndarray, str | Path | None]]
+                  items: Iterable[tuple[int | None, Sequence[str], np.ndarray,
+                                        Sequence[tuple[int, int]] | None, str | Path | None]]
                   ) -> dict:
-    """Summary for (COCO id, words, attention (n_words, g, g), image path) of captioned photos."""
-    acc = AttentionCorrectness(instances)
-    for image_id, words, attention, path in items:
-        acc.add(image_id, words, attention, path)
-    return acc.summary()
+    """Summary for (COCO id, words, attention (n_words, g, g), the attended (row, col) per word
+    or None, image path) of captioned photos: on the attended cells where a location was read
+    (hard attention, argmax or sample), else on the attention weights (see the module doc)."""
+    weights, attended = AttentionCorrectness(instances), AttentionCorrectness(instances)
+    located = False
+    for image_id, words, attention, locations, path in items:
+        attention = np.asarray(attention)
+        if locations is not None:
+            located = True
+            attended.add(image_id, words, location_attention(locations, attention.shape[1]),
+                         path)
+        weights.add(image_id, words, attention, path)
+    if not located:
+        return {"measured_on": "attention weights", **weights.summary()}
+    dist = weights.summary()
+    return {"measured_on": "attended locations", **attended.summary(),
+            "distribution": {k: dist[k] for k in ("correctness", "uniform", "ratio")}}

@@ -134,6 +134,9 @@ class CaptionModule(L.LightningModule):
             ``init_from``). 0: maximum likelihood.
         self_critical_meteor: w, the self-critical reward is CIDEr-D + w * METEOR (per caption,
             official METEOR; needs Java). 0: CIDEr-D alone, which shortens the captions.
+        attention_entropy: weight of sum_t H(alpha_t), the attention's entropy summed over a
+            caption's words, added to the soft-attention or self-critical loss: sharper
+            attention (the uniform map's entropy is log L). 0: none, as in the paper.
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class CaptionModule(L.LightningModule):
         init_from: str | None = None,
         self_critical: int = 0,
         self_critical_meteor: float = 0.0,
+        attention_entropy: float = 0.0,
     ):
         super().__init__()
         if self_critical == 1 or self_critical < 0:
@@ -160,6 +164,13 @@ class CaptionModule(L.LightningModule):
         # load_from_checkpoint passes the saved hyperparameters back as plain dicts
         encoder = _as(EncoderConfig, encoder)
         decoder = _as(DecoderConfig, decoder)
+        if attention_entropy and decoder.attention == "hard" and not self_critical:
+            raise TrainingConfigError(
+                "model.attention_entropy sharpens the attention of soft or self-critical training; "
+                "hard attention's REINFORCE has its own entropy term, model.hard.entropy_weight")
+        if attention_entropy < 0:
+            raise TrainingConfigError("model.attention_entropy is a penalty weight: 0 or more, "
+                                      f"not {attention_entropy}")
         self.hard_cfg = _as(HardAttentionConfig, hard)
         if self.hard_cfg.location_samples < 1:
             raise TrainingConfigError("model.hard.location_samples must be 1 (the moving-average "
@@ -172,12 +183,12 @@ class CaptionModule(L.LightningModule):
             "doubly_stochastic": doubly_stochastic, "hard": asdict(self.hard_cfg),
             "optimizer": asdict(self.opt_cfg), "val_decoding": asdict(self.val_decoding),
             "init_from": init_from, "self_critical": self_critical,
-            "self_critical_meteor": self_critical_meteor,
+            "self_critical_meteor": self_critical_meteor, "attention_entropy": attention_entropy,
         })
         self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
         self.objective = make_objective(decoder.attention, doubly_stochastic, self.hard_cfg,
                                         self_critical, self_critical_meteor,
-                                        self.val_decoding.max_length)
+                                        self.val_decoding.max_length, attention_entropy)
         self._val_predictions: dict[str, str] = {}
 
     def setup(self, stage: str) -> None:

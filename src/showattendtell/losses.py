@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from showattendtell.attention import attention_entropy
 from showattendtell.decoder import TeacherForcedOutput
 
 
@@ -23,6 +24,12 @@ def doubly_stochastic_penalty(alphas: torch.Tensor) -> torch.Tensor:
     return ((1.0 - alphas.sum(1)) ** 2).sum(1)
 
 
+def attention_entropy_per_caption(alphas: torch.Tensor) -> torch.Tensor:
+    """sum_t H(alpha_t) = -sum_t sum_i alpha_ti log alpha_ti per caption, (B,); alphas (B, T, L)
+    are zero after the end, where the terms vanish. Penalised, it sharpens the attention."""
+    return attention_entropy(alphas.flatten(0, 1)).view(alphas.shape[:2]).sum(1)
+
+
 @dataclass
 class LossTerms:
     loss: torch.Tensor  # what is minimised
@@ -30,12 +37,16 @@ class LossTerms:
     log_likelihood: torch.Tensor  # (B,) log p(y | s, a) per caption
 
 
-def soft_attention_loss(out: TeacherForcedOutput, batch_size: int, lam: float = 1.0) -> LossTerms:
-    """-log p(y|a) + lambda * sum_i (1 - sum_t alpha_ti)^2, averaged over captions."""
+def soft_attention_loss(out: TeacherForcedOutput, batch_size: int, lam: float = 1.0,
+                        entropy: float = 0.0) -> LossTerms:
+    """-log p(y|a) + lambda * sum_i (1 - sum_t alpha_ti)^2 [+ entropy * sum_t H(alpha_t)],
+    averaged over captions."""
     ll = caption_log_likelihood(out, batch_size)
     loss = -ll.mean()
     if lam:
         loss = loss + lam * doubly_stochastic_penalty(out.alphas).mean()
+    if entropy:
+        loss = loss + entropy * attention_entropy_per_caption(out.alphas).mean()
     return LossTerms(loss, -ll.sum() / out.targets.numel(), ll)
 
 
@@ -84,14 +95,15 @@ def update_baseline(baseline: float, log_likelihood: torch.Tensor, decay: float 
 
 def self_critical_loss(
     out: TeacherForcedOutput, batch_size: int, reward: torch.Tensor, baseline: torch.Tensor,
-    banned: torch.Tensor,
+    banned: torch.Tensor, entropy: float = 0.0,
 ) -> LossTerms:
     """Self-critical sequence training (Rennie et al. 2017), the REINFORCE gradient
 
         -(r(w^s) - b) d/dW log p(w^s | a)
 
     for captions w^s sampled from the model, rewarded (CIDEr-D) against the model's own
-    performance b (here the mean reward of the image's other samples). For hard attention the
+    performance b (here the mean reward of the image's other samples), [+ entropy * sum_t
+    H(alpha_t) of the sampled captions' attention, which sharpens it]. For hard attention the
     sampled locations share the reward: log p(w^s, s | a) = log p(w^s | s, a) + log p(s | a).
 
     The words' probabilities are those the captions were drawn from: renormalised without the
@@ -102,4 +114,7 @@ def self_critical_loss(
     ll = caption_log_likelihood(out, batch_size)
     log_prob = ll if out.location_log_prob is None else ll + out.location_log_prob
     advantage = (reward - baseline).to(log_prob)
-    return LossTerms(-(advantage * log_prob).mean(), -ll.sum() / out.targets.numel(), ll)
+    loss = -(advantage * log_prob).mean()
+    if entropy:
+        loss = loss + entropy * attention_entropy_per_caption(out.alphas).mean()
+    return LossTerms(loss, -ll.sum() / out.targets.numel(), ll)

@@ -22,6 +22,7 @@ from torch import nn
 
 from showattendtell.decoding import banned_tokens, sample_captions
 from showattendtell.losses import (
+    attention_entropy_per_caption,
     hard_attention_loss,
     self_critical_loss,
     soft_attention_loss,
@@ -63,15 +64,17 @@ class MaximumLikelihood(Objective):
     """Soft attention (paper eq. 14): the captions' negative log-likelihood plus the doubly
     stochastic penalty, which pushes every location to get attention over the caption."""
 
-    def __init__(self, doubly_stochastic: float = 1.0):
+    def __init__(self, doubly_stochastic: float = 1.0, attention_entropy: float = 0.0):
         super().__init__()
-        self.doubly_stochastic = doubly_stochastic
+        self.doubly_stochastic, self.attention_entropy = doubly_stochastic, attention_entropy
 
     def forward(self, model, annotations, batch):
         out = model.decoder(annotations, batch["captions"], batch["lengths"], mode="soft")
-        terms = soft_attention_loss(out, annotations.size(0), self.doubly_stochastic)
+        terms = soft_attention_loss(out, annotations.size(0), self.doubly_stochastic,
+                                    self.attention_entropy)
         return terms.loss, {"loss": terms.loss, "nll": terms.nll,
-                            "caption_nll": -terms.log_likelihood.mean()}
+                            "caption_nll": -terms.log_likelihood.mean(),
+                            "attention_entropy": _mean_word_entropy(out.alphas)}
 
 
 class HardAttentionReinforce(Objective):
@@ -150,9 +153,11 @@ class SelfCritical(Objective):
     set once before training (``set_references``), indexed by the batches' ``index``.
     """
 
-    def __init__(self, samples: int, meteor_weight: float = 0.0, max_length: int = 20):
+    def __init__(self, samples: int, meteor_weight: float = 0.0, max_length: int = 20,
+                 attention_entropy: float = 0.0):
         super().__init__()
         self.samples, self.meteor_weight, self.max_length = samples, meteor_weight, max_length
+        self.attention_entropy = attention_entropy
         self.references: list[list[str]] = []
         self.cider = self.meteor = None
 
@@ -187,16 +192,24 @@ class SelfCritical(Objective):
         per_image = reward.view(-1, K)  # (B, K)
         baseline = ((per_image.sum(1, keepdim=True) - per_image) / (K - 1)).view(-1)
         terms = self_critical_loss(out, a.size(0), reward, baseline,
-                                   banned_tokens(dec.vocab_size, a.device))
-        return terms.loss, {"nll": terms.nll, "reward": reward.mean(), **logs}
+                                   banned_tokens(dec.vocab_size, a.device), self.attention_entropy)
+        return terms.loss, {"nll": terms.nll, "reward": reward.mean(),
+                            "attention_entropy": _mean_word_entropy(out.alphas), **logs}
+
+
+def _mean_word_entropy(alphas: torch.Tensor) -> torch.Tensor:
+    """Mean H(alpha_t) over the words of a batch (alphas (B, T, L), zero rows after the ends):
+    logged, so that a run shows how sharp its attention is (log L = uniform)."""
+    words = (alphas.sum(2) > 0).sum()
+    return attention_entropy_per_caption(alphas.detach()).sum() / words.clamp_min(1)
 
 
 def make_objective(attention: str, doubly_stochastic: float, hard: HardAttentionConfig,
                    self_critical: int, self_critical_meteor: float,
-                   max_length: int) -> Objective:
+                   max_length: int, attention_entropy: float = 0.0) -> Objective:
     """The one objective a run trains with."""
     if self_critical:
-        return SelfCritical(self_critical, self_critical_meteor, max_length)
+        return SelfCritical(self_critical, self_critical_meteor, max_length, attention_entropy)
     if attention == "hard":
         return HardAttentionReinforce(hard)
-    return MaximumLikelihood(doubly_stochastic)
+    return MaximumLikelihood(doubly_stochastic, attention_entropy)

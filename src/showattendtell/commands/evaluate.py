@@ -117,10 +117,11 @@ def run(args: argparse.Namespace) -> int:
     if instances is not None:
         from showattendtell.attention_correctness import score_results
 
-        ac = score_results(instances, ((by_id[k].coco_id, r.words, r.attention, by_id[k].path)
-                                       for k, r in kept.items()))
+        ac = score_results(instances, ((by_id[k].coco_id, r.words, r.attention, r.locations,
+                                        by_id[k].path) for k, r in kept.items()))
         out["attention_correctness"] = ac
-        found = (f"{ac['correctness']} of the attention on the category's masks, "
+        found = (f"{ac['correctness']} of the attention ({ac['measured_on']}) on the "
+                 "category's masks, "
                  f"{ac['uniform']} for uniform attention, ratio {ac['ratio']}" if ac["words"]
                  else "no generated word names a COCO category of its photo")
         print(f"attention correctness: {ac['words']} words in {ac['images']} photos "
