@@ -53,7 +53,7 @@ def test_sat_models_lists_bundled_and_env_models(tiny_hard_model_file, monkeypat
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     for expected in ("flickr8k_lite2_soft (default)", "flickr8k_lite2_hard", "efficientnet_lite2",
-                     "260 px", "9x9x1280", "words", "beam 3", "hard mode expectation"):
+                     "260 px", "9x9x1280", "words", "beam 3", "hard mode argmax"):
         assert expected in out, expected
     monkeypatch.setenv("SAT_MODEL", str(tiny_hard_model_file))
     assert main(["models", "--json"]) == 0

@@ -17,7 +17,7 @@ def test_each_stage_starts_from_the_model_the_stage_before_exported():
     trains = [c[c.index("--config") + 1] for c in commands if c[1] == "train"]
     exports = [c for c in commands if c[1] == "export"]
     assert trains == ["configs/flickr8k_lite2_soft.yaml", "configs/flickr8k_lite2_soft_scst.yaml",
-                      "configs/flickr8k_lite2_hard.yaml"]
+                      "configs/flickr8k_lite2_hard_single.yaml"]
     assert [e[3] for e in exports] == ["models/flickr8k_lite2_soft_mle.safetensors",
                                        "models/flickr8k_lite2_soft.safetensors",
                                        "models/flickr8k_lite2_hard.safetensors"]
@@ -27,7 +27,9 @@ def test_each_stage_starts_from_the_model_the_stage_before_exported():
         assert cfg["model"].get("init_from") == previous, config
         run_dir = cfg["run"]["dir"]
         assert export[2].startswith(f"{run_dir}/checkpoints/"), (config, export)
-        if previous:  # a fine-tuning stage: exported as an interpolation with its start
+        if "scst" in config:  # self-critical: exported as an interpolation with its start
             assert export[export.index("--interpolate") + 1] == previous
         previous = export[3]
-    assert exports[-1][exports[-1].index("--hard-mode") + 1] == "expectation"
+    # the hard model captions from its own single locations, never interpolated with the soft
+    assert exports[-1][exports[-1].index("--hard-mode") + 1] == "argmax"
+    assert "--interpolate" not in exports[-1]

@@ -81,7 +81,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_expected_file(tiny_hard_model_file: Path, tmp_path_factory) -> Path:
-    """The tiny hard-attention model storing hard_mode 'expectation', as the bundled one does."""
+    """The tiny hard-attention model storing hard_mode 'expectation' (the bundled one stores
+    'argmax'): the controls must start at a model's stored mode, whichever it is."""
     from showattendtell.model_file import read_model, save_model
 
     model, decoding, info = read_model(tiny_hard_model_file)
@@ -188,7 +189,7 @@ def test_serve_bundled_model_by_name(monkeypatch):
     seen = _fake_launch(monkeypatch)
     assert main(["serve", "--model", "flickr8k_lite2_hard", "--device", "cpu"]) == 0
     assert list(seen["decoding"]) == ["flickr8k_lite2_hard"]
-    assert seen["decoding"]["flickr8k_lite2_hard"].hard_mode == "expectation"  # stored
+    assert seen["decoding"]["flickr8k_lite2_hard"].hard_mode == "argmax"  # stored
 
 
 def test_serve_warns_without_login_beyond_localhost(tiny_model_file, tmp_path, monkeypatch,
