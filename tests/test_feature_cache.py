@@ -244,3 +244,21 @@ def test_fine_tuning_the_top_trains_from_the_frozen_stages_cache(tmp_path):
     changed = {k.split(".")[1] for k, v in after.items()
                if v.is_floating_point() and not torch.equal(v, before[k])}
     assert changed == {"4"}  # stages.4 (layer4), the one fine-tuned stage
+
+    # a later stage (e.g. self-critical) started from that model file with the same stage
+    # fine-tuned goes on from the tuned top stage; the frozen stages stay its own (the cache's)
+    from showattendtell.model_file import save_model
+
+    tuned = save_model(module.model, tmp_path / "tuned.safetensors")
+    torch.manual_seed(1)
+    later = CaptionModule(dm.vocab_words, encoder=enc, init_from=str(tuned),
+                          decoder={"embed_dim": 8, "hidden_dim": 16, "attention_dim": 8})
+    own = {k: v.clone() for k, v in later.model.encoder.state_dict().items()}
+    L.Trainer(max_epochs=0, accelerator="cpu", logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(later, datamodule=dm)
+    for k, v in later.model.encoder.state_dict().items():
+        expected = after[k] if k.startswith("stages.4.") else own[k]
+        torch.testing.assert_close(v, expected, msg=k)
+    assert any(not torch.equal(own[k], after[k]) for k in own if k.startswith("stages.4."))
+    for k, v in later.model.decoder.state_dict().items():
+        torch.testing.assert_close(v, module.model.decoder.state_dict()[k])

@@ -70,9 +70,10 @@ def read_checkpoint(path: str | Path, option: str = "checkpoint") -> dict:
     return ckpt
 
 
-def decoder_weights(path: str, vocab: list[str]) -> dict[str, torch.Tensor]:
-    """The decoder's state dict from a training checkpoint or a model file, checked to share
-    ``vocab`` (word ids must mean the same words)."""
+def init_weights(path: str, vocab: list[str]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The decoder's and the encoder's state dicts from a training checkpoint or a model file,
+    checked to share ``vocab`` (word ids must mean the same words)."""
     from showattendtell.model_file import ModelFileError, read_model
 
     if not Path(path).is_file():
@@ -81,16 +82,17 @@ def decoder_weights(path: str, vocab: list[str]) -> dict[str, torch.Tensor]:
     if str(path).endswith(".ckpt"):
         ckpt = read_checkpoint(path, "init_from")
         theirs, state = ckpt["hyper_parameters"]["vocab"], ckpt["state_dict"]
-        prefix = "model.decoder."
-        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        decoder, encoder = ({k[len(p):]: v for k, v in state.items() if k.startswith(p)}
+                            for p in ("model.decoder.", "model.encoder."))
     else:
         model, _, _ = read_model(path)
-        theirs, state = model.vocab.itos, model.decoder.state_dict()
+        theirs = model.vocab.itos
+        decoder, encoder = model.decoder.state_dict(), model.encoder.state_dict()
     if list(theirs) != list(vocab):
         raise ModelFileError(f"init_from: {path} has a different vocabulary "
                              f"({len(theirs)} words, this run {len(vocab)}): train it on the "
                              "same captions with the same min_word_count")
-    return state
+    return decoder, encoder
 
 
 def load_checkpoint(path: str | Path) -> CaptionModule:
@@ -127,7 +129,10 @@ class CaptionModule(L.LightningModule):
         val_decoding: how validation captions are generated (beam size 1 = greedy).
         init_from: start training from the decoder weights of another run (a ``.ckpt`` or an
             exported model file with the same vocabulary and encoder), e.g. hard attention from a
-            trained soft-attention model. Ignored when resuming with ``--ckpt_path``.
+            trained soft-attention model; with ``encoder.fine_tune_stages`` N, from its weights
+            of the encoder's top N stages as well (a fine-tuned encoder goes on from where it
+            was; the frozen stages, whose output the feature cache holds, are never replaced).
+            Ignored when resuming with ``--ckpt_path``.
         self_critical: K >= 2 trains with self-critical sequence training (Rennie et al. 2017)
             instead of maximum likelihood: K captions sampled per image, rewarded with CIDEr-D;
             a fine-tuning stage for a model trained with the paper's objective (start it with
@@ -196,9 +201,17 @@ class CaptionModule(L.LightningModule):
         if stage == "fit" and self.hparams.get("init_from") and not self.trainer.ckpt_path:
             from showattendtell.model_file import ModelFileError
 
-            state = decoder_weights(self.hparams.init_from, self.model.vocab.itos)
+            decoder, encoder = init_weights(self.hparams.init_from, self.model.vocab.itos)
+            enc = self.model.encoder
+            top = tuple(f"stages.{i}." for i in range(enc.frozen_stages, len(enc.stages)))
+            encoder = {k: v for k, v in encoder.items() if k.startswith(top)} if top else {}
             try:
-                self.model.decoder.load_state_dict(state)
+                self.model.decoder.load_state_dict(decoder)
+                if encoder:
+                    own = {k: v for k, v in enc.state_dict().items() if k.startswith(top)}
+                    if own.keys() != encoder.keys():
+                        raise RuntimeError(f"encoder stages differ\n{sorted(own)[:1]}")
+                    enc.load_state_dict(encoder, strict=False)
             except RuntimeError as e:
                 raise ModelFileError(
                     f"init_from: {self.hparams.init_from} has a different decoder or encoder "
