@@ -126,6 +126,21 @@ def test_a_model_is_bundled_and_is_the_default():
     assert bundled_models()[0].name == DEFAULT_BUNDLED
 
 
+def test_bundled_files_are_float16_and_100_mb_together():
+    """Issue #18's size budget; a re-export without --half doubles a file (it happened)."""
+    from safetensors import safe_open
+
+    files = bundled_models()
+    assert sum(f.stat().st_size for f in files) <= 100e6
+    for f in files:
+        with safe_open(f, "pt") as st:
+            sizes = {}
+            for k in st.keys():
+                t = st.get_slice(k)
+                sizes[t.get_dtype()] = sizes.get(t.get_dtype(), 0) + int(np.prod(t.get_shape()))
+        assert sizes.get("F16", 0) >= 0.95 * sum(sizes.values()), (f.name, sizes)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_weights_with_nan_or_inf_are_refused_at_load(bad, tiny_model_file, tmp_path, capsys):
     from showattendtell.cli import main
