@@ -135,7 +135,7 @@ def test_bundled_files_are_float16_and_100_mb_together():
     for f in files:
         with safe_open(f, "pt") as st:
             sizes = {}
-            for k in st.keys():
+            for k in st.keys():  # noqa: SIM118 (safe_open is not iterable)
                 t = st.get_slice(k)
                 sizes[t.get_dtype()] = sizes.get(t.get_dtype(), 0) + int(np.prod(t.get_shape()))
         assert sizes.get("F16", 0) >= 0.95 * sum(sizes.values()), (f.name, sizes)
