@@ -438,7 +438,7 @@ class CocoInstances:
         return cell_coverage(self.mask(image_id, category, image_path), grid)
 
     def forget(self, image_id: int) -> None:
-        """Drop an image's cached masks (each photo is scored once)."""
+        """Drop an image's cached masks, once its scoring is done."""
         for key in [k for k in self._masks if k[0] == image_id]:
             del self._masks[key]
 
@@ -482,7 +482,9 @@ class AttentionCorrectness:
     def add(self, image_id: int | None, words: Sequence[str], attention: np.ndarray,
             image_path: str | Path | None = None) -> list[tuple[int, str, float, float]]:
         """Score one captioned photo; returns (word index, category, correctness, uniform) of
-        each counted word. A photo the instances file does not annotate is counted as skipped."""
+        each counted word. A photo the instances file does not annotate is counted as skipped.
+        Its masks stay cached (another attention of the same photo reuses them) until the
+        caller's ``instances.forget(image_id)``."""
         if image_id is None or image_id not in self.instances.image_ids:
             self.skipped_images += 1
             return []
@@ -501,7 +503,6 @@ class AttentionCorrectness:
             self.total.add(c, u)
             self.per_category[category].add(c, u)
             scored.append((i, category, c, u))
-        self.instances.forget(image_id)
         return scored
 
     def summary(self) -> dict:
@@ -536,7 +537,8 @@ def score_results(instances: CocoInstances,
             located = True
             attended.add(image_id, words, location_attention(locations, attention.shape[1]),
                          path)
-        weights.add(image_id, words, attention, path)
+        weights.add(image_id, words, attention, path)  # the same masks, cached
+        instances.forget(image_id)
     if not located:
         return {"measured_on": "attention weights", **weights.summary()}
     dist = weights.summary()
