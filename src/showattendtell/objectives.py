@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from showattendtell.decoder import TeacherForcedOutput
 from showattendtell.decoding import banned_tokens, sample_captions
 from showattendtell.losses import (
     attention_entropy_per_caption,
@@ -74,7 +75,7 @@ class MaximumLikelihood(Objective):
                                     self.attention_entropy)
         return terms.loss, {"loss": terms.loss, "nll": terms.nll,
                             "caption_nll": -terms.log_likelihood.mean(),
-                            "attention_entropy": _mean_word_entropy(out.alphas)}
+                            "attention_entropy": _mean_word_entropy(out)}
 
 
 class HardAttentionReinforce(Objective):
@@ -194,14 +195,13 @@ class SelfCritical(Objective):
         terms = self_critical_loss(out, a.size(0), reward, baseline,
                                    banned_tokens(dec.vocab_size, a.device), self.attention_entropy)
         return terms.loss, {"nll": terms.nll, "reward": reward.mean(),
-                            "attention_entropy": _mean_word_entropy(out.alphas), **logs}
+                            "attention_entropy": _mean_word_entropy(out), **logs}
 
 
-def _mean_word_entropy(alphas: torch.Tensor) -> torch.Tensor:
-    """Mean H(alpha_t) over the words of a batch (alphas (B, T, L), zero rows after the ends):
-    logged, so that a run shows how sharp its attention is (log L = uniform)."""
-    words = (alphas.sum(2) > 0).sum()
-    return attention_entropy_per_caption(alphas.detach()).sum() / words.clamp_min(1)
+def _mean_word_entropy(out: TeacherForcedOutput) -> torch.Tensor:
+    """Mean H(alpha_t) over the words of a batch (one attention map per target token): logged,
+    so that a run shows how sharp its attention is (log L = uniform)."""
+    return attention_entropy_per_caption(out.alphas.detach()).sum() / out.targets.numel()
 
 
 def make_objective(attention: str, doubly_stochastic: float, hard: HardAttentionConfig,
