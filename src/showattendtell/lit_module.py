@@ -204,14 +204,15 @@ class CaptionModule(L.LightningModule):
             decoder, encoder = init_weights(self.hparams.init_from, self.model.vocab.itos)
             enc = self.model.encoder
             top = tuple(f"stages.{i}." for i in range(enc.frozen_stages, len(enc.stages)))
-            encoder = {k: v for k, v in encoder.items() if k.startswith(top)} if top else {}
+            encoder = {k: v for k, v in encoder.items() if k.startswith(top)}
             try:
                 self.model.decoder.load_state_dict(decoder)
-                if encoder:
-                    own = {k: v for k, v in enc.state_dict().items() if k.startswith(top)}
-                    if own.keys() != encoder.keys():
-                        raise RuntimeError(f"encoder stages differ\n{sorted(own)[:1]}")
-                    enc.load_state_dict(encoder, strict=False)
+                if encoder:  # the fine-tuned stages only: the frozen ones are the cache's
+                    keys = enc.load_state_dict(encoder, strict=False)
+                    missing = [k for k in keys.missing_keys if k.startswith(top)]
+                    if missing or keys.unexpected_keys:
+                        raise RuntimeError("encoder stages differ\n"
+                                           f"{(missing or keys.unexpected_keys)[0]}")
             except RuntimeError as e:
                 raise ModelFileError(
                     f"init_from: {self.hparams.init_from} has a different decoder or encoder "
