@@ -36,7 +36,7 @@ import torch
 from showattendtell.caption_output import Writer
 from showattendtell.images import list_images, load_image
 from showattendtell.inference import Captioner, load_model
-from showattendtell.pipeline import caption_files, default_workers
+from showattendtell.pipeline import caption_files, default_lanes, default_workers, in_lanes
 
 DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared/data/coco2017_val_subset/images"
 
@@ -56,12 +56,13 @@ def rate(fn: Callable[[], int], device: torch.device) -> float:
 
 
 def end_to_end(captioner: Captioner, paths: list[str], batch_size: int, workers: int,
-               beam_size: int) -> int:
+               beam_size: int, lanes: int) -> int:
     """What `sat caption -o FILE` does, with the lines written to /dev/null."""
     with open(os.devnull, "wb", buffering=0) as sink:
         writer = Writer("jsonl", False, sink)
         n = 0
-        for rec in caption_files(captioner, paths, batch_size, workers, beam_size=beam_size):
+        for rec in caption_files(captioner, paths, batch_size, workers, lanes=lanes,
+                                 beam_size=beam_size):
             if rec.result is None:
                 raise SystemExit(f"{rec.path}: {rec.error}")
             writer.write(rec)
@@ -69,9 +70,11 @@ def end_to_end(captioner: Captioner, paths: list[str], batch_size: int, workers:
     return n
 
 
-def encoder_alone(captioner: Captioner, batches: list[torch.Tensor]) -> int:
-    for b in batches:
-        captioner.encode(b)
+def encoder_alone(captioner: Captioner, batches: list[torch.Tensor], lanes: int = 1) -> int:
+    """The CNN alone on images already decoded: one batch at a time on all of torch's threads
+    (``lanes`` 1, the reference of issue #17's ratios), or ``lanes`` batches at once."""
+    for _ in in_lanes(captioner.encode, batches, lanes):
+        pass
     return sum(len(b) for b in batches)
 
 
@@ -129,15 +132,17 @@ def cpu_seconds() -> tuple[float, float]:
 
 def profile_run(captioner: Captioner, paths: list[str], batch_size: int, workers: int,
                 beam_size: int) -> dict[str, float]:
-    """One end-to-end run with every main-process stage timed, in ms per image; the workers'
-    CPU time is what their processes used (they exit at the end of the run)."""
+    """One end-to-end run, one batch at a time (1 lane, so that the stages add up to the wall
+    time), with every main-process stage timed, in ms per image; the workers' CPU time is what
+    their processes used (they exit at the end of the run)."""
     timers = Timers()
     cpu0 = cpu_seconds()
     t0 = time.perf_counter()
     with instrumented(captioner, timers), open(os.devnull, "wb", buffering=0) as sink:
         writer = Writer("jsonl", False, sink)
         write = timers.wrap("JSON lines", writer.write)
-        for rec in caption_files(captioner, paths, batch_size, workers, beam_size=beam_size):
+        for rec in caption_files(captioner, paths, batch_size, workers, lanes=1,
+                                 beam_size=beam_size):
             write(rec)
     wall = time.perf_counter() - t0
     cpu1 = cpu_seconds()
@@ -207,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="use only the first N images")
     ap.add_argument("--latency-images", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--lanes", type=int, default=None,
+                    help="batches in flight at once (default: the pipeline's, 2 on a CPU)")
     ap.add_argument("--profile", action="store_true",
                     help="also print where the time of a greedy and a beam-3 run goes")
     args = ap.parse_args(argv)
@@ -218,26 +225,31 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no images in {args.images}")
     captioner = load_model(args.model, args.device)
     dev = captioner.device
+    lanes = default_lanes(dev) if args.lanes is None else args.lanes
 
     # warm-up: worker start, allocator, kernels (cuDNN autotuning on a GPU)
     warm = paths[: args.batch_size]
-    end_to_end(captioner, warm, args.batch_size, args.workers, 1)
-    end_to_end(captioner, warm, args.batch_size, args.workers, 3)
+    end_to_end(captioner, warm, args.batch_size, args.workers, 1, lanes)
+    end_to_end(captioner, warm, args.batch_size, args.workers, 3, lanes)
     latencies_ms(captioner, paths[:2], 3)
 
     lat = latencies_ms(captioner, paths[: args.latency_images], 3)
     tensors = [captioner.preprocess(p) for p in paths]
     batches = [torch.stack(tensors[i: i + args.batch_size]).to(dev)
                for i in range(0, len(tensors), args.batch_size)]
-    encoder_alone(captioner, batches[:1])
+    encoder_alone(captioner, batches[:2], lanes)
     rounds = []
     for _ in range(args.repeats):
         rounds.append((
-            rate(lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1), dev),
-            rate(lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 3), dev),
+            rate(lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1, lanes),
+                 dev),
+            rate(lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 3, lanes),
+                 dev),
             rate(lambda: encoder_alone(captioner, batches), dev),
+            rate(lambda: encoder_alone(captioner, batches, lanes), dev),
         ))
-    greedy, beam3, encoder = (statistics.median(r) for r in zip(*rounds, strict=True))
+    greedy, beam3, encoder, encoder_lanes = (statistics.median(r)
+                                             for r in zip(*rounds, strict=True))
     profiles = {}
     if args.profile:
         profiles = {name: profile_run(captioner, paths, args.batch_size, args.workers, beam)
@@ -254,14 +266,18 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": round(os.getloadavg()[0], 2),
         "batch_size": args.batch_size,
         "workers": args.workers,
+        "lanes": lanes,
         "repeats": args.repeats,
         "latency_p50_ms": round(float(np.percentile(lat, 50)), 1),
         "latency_p95_ms": round(float(np.percentile(lat, 95)), 1),
         "images_per_s_greedy": round(greedy, 2),
         "images_per_s_beam3": round(beam3, 2),
         "encoder_images_per_s": round(encoder, 2),
+        "encoder_in_lanes_images_per_s": round(encoder_lanes, 2),
         "ratio_greedy_to_encoder": round(greedy / encoder, 3),
         "ratio_beam3_to_encoder": round(beam3 / encoder, 3),
+        "ratio_greedy_to_encoder_in_lanes": round(greedy / encoder_lanes, 3),
+        "ratio_beam3_to_encoder_in_lanes": round(beam3 / encoder_lanes, 3),
         "rounds_images_per_s": [[round(x, 2) for x in r] for r in rounds],
         **peak_memory_mb(dev),
         **({"profile_ms_per_image": profiles, "decode_ms_per_image_one_core": round(decode_ms, 2)}
@@ -275,15 +291,20 @@ def main(argv: list[str] | None = None) -> int:
         ("batch, greedy", f"{result['images_per_s_greedy']} img/s"),
         ("batch, beam 3", f"{result['images_per_s_beam3']} img/s"),
         ("encoder alone", f"{result['encoder_images_per_s']} img/s"),
+        (f"encoder alone, {lanes} lanes", f"{result['encoder_in_lanes_images_per_s']} img/s"),
         ("greedy / encoder", f"{result['ratio_greedy_to_encoder']:.0%}"),
         ("beam 3 / encoder", f"{result['ratio_beam3_to_encoder']:.0%}"),
+        (f"greedy / encoder in {lanes} lanes",
+         f"{result['ratio_greedy_to_encoder_in_lanes']:.0%}"),
+        (f"beam 3 / encoder in {lanes} lanes",
+         f"{result['ratio_beam3_to_encoder_in_lanes']:.0%}"),
         ("peak RSS (main / workers)",
          f"{result['peak_rss_mb']} / {result['peak_rss_workers_mb']} MB"),
     ]
     if "peak_gpu_mb" in result:
         rows.append(("peak GPU memory", f"{result['peak_gpu_mb']} MB"))
     print(f"{result['model']} ({result['input_size']} px) on {result['device']}, "
-          f"{len(paths)} images, batch {args.batch_size}, {args.workers} workers, "
+          f"{len(paths)} images, batch {args.batch_size}, {args.workers} workers, {lanes} lanes, "
           f"median of {args.repeats}, load average {result['load_average']}")
     width = max(len(r[0]) for r in rows)
     for name, value in rows:

@@ -182,6 +182,7 @@ def test_hard_attention_output_has_locations(tiny_hard_model_file, tmp_path, mon
     ([".", "--format", "xml"], "--format must be one of jsonl, csv"),
     ([".", "--resume"], "--resume needs --output"),
     ([".", "--batch-size", "0"], "--batch-size must be at least 1"),
+    ([".", "--lanes", "0"], "--lanes must be at least 1"),
 ])
 def test_usage_errors_exit_2(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

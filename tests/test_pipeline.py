@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
+import pytest
+import torch
 from synthetic import make_example
 
 from showattendtell.inference import load_model
-from showattendtell.pipeline import caption_files, encode_files
+from showattendtell.pipeline import caption_files, encode_files, in_lanes
 from showattendtell.progress import Progress
 
 
@@ -45,6 +48,61 @@ def test_encode_files_gives_the_grids_of_the_decoded_inputs(tiny_model_file, tmp
         assert grids.shape[:2] == (len(batch.decoded()), captioner.model.grid ** 2)
         seen += [item.path for item in batch.items]
     assert seen == paths
+
+
+def test_lanes_run_batches_at_once_in_order_on_a_share_of_the_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        both = threading.Barrier(2, timeout=10)  # breaks (fails) unless 2 calls overlap
+
+        def work(i: int) -> tuple[int, int]:
+            if i < 2:
+                both.wait()
+            return i, torch.get_num_threads()
+
+        out = list(in_lanes(work, range(7), lanes=2))
+        assert [i for i, _ in out] == list(range(7))
+        assert {n for _, n in out} == {1}  # each lane on one of the two threads
+        assert torch.get_num_threads() == 2  # and the caller's threads are given back
+        assert list(in_lanes(lambda i: i * i, range(4), lanes=1)) == [0, 1, 4, 9]
+        w = torch.ones(2, requires_grad=True)
+        with torch.inference_mode():  # torch keeps it per thread: the lanes must inherit it
+            out = list(in_lanes(lambda i: w * i, range(3), lanes=2))
+        assert all(t.is_inference() and not t.requires_grad for t in out)
+        with torch.no_grad():
+            assert not any(t.requires_grad for t in in_lanes(lambda i: w * i, range(3), 2))
+        assert all(t.requires_grad for t in in_lanes(lambda i: w * i, range(3), lanes=2))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_lanes_pass_errors_on_and_stop_when_the_consumer_does():
+    started = []
+
+    def work(i: int) -> int:
+        started.append(i)
+        if i == 3:
+            raise ValueError("batch 3 failed")
+        return i
+
+    with pytest.raises(ValueError, match="batch 3"):
+        list(in_lanes(work, range(100), lanes=2))
+    assert max(started) < 10  # at most a lane's worth of batches beyond the failure
+    started.clear()
+    gen = in_lanes(work, range(100), lanes=2)
+    assert next(gen) == 0
+    gen.close()
+    assert max(started) < 5
+
+
+def test_caption_files_gives_the_same_records_in_one_or_two_lanes(tiny_model_file, tmp_path):
+    paths = write_inputs(tmp_path, 7)
+    captioner = load_model(tiny_model_file, "cpu")
+    runs = [[(r.path, r.error, r.result and r.result.caption)
+             for r in caption_files(captioner, paths, batch_size=2, workers=0, lanes=lanes,
+                                    beam_size=3)] for lanes in (1, 2)]
+    assert runs[0] == runs[1] and [p for p, _, _ in runs[0]] == paths
 
 
 def test_progress_writes_lines_without_a_terminal(caplog):

@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the network (default: torch's, one per core); 1 can be "
                         "much faster on a machine busy with other work")
+    p.add_argument("--lanes", type=int, default=None,
+                   help="batches captioned at once, each on its share of the threads (default: "
+                        "2 on a CPU with 2 or more threads, else 1)")
     p.add_argument("--model", default=None,
                    help="model file or name (`sat models`; default: the bundled model)")
     p.add_argument("--devices", type=int, default=1, metavar="N",
@@ -137,6 +140,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--resume needs --output FILE (the file to continue)")
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1")
+    if args.lanes is not None and args.lanes < 1:
+        raise UsageError("--lanes must be at least 1")
     if args.batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
     if args.workers is not None and args.workers < 0:
@@ -257,7 +262,7 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
     if workers is None:  # the processes of one machine share its cores
         workers = max(1, default_workers() // procs.local_world_size)
     records = caption_files(captioner, [todo[i] for g in mine for i in batches[g]],
-                            args.batch_size, workers, None, **decoding)
+                            args.batch_size, workers, None, args.lanes, **decoding)
     steps = -(-len(batches) // procs.world_size)
 
     ok, failures = 0, []
