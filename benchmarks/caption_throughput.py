@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="use only the first N images")
     ap.add_argument("--latency-images", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--precision", default="32", choices=("32", "bf16", "16"),
+                    help="as sat caption's: float32, or mixed precision (16: GPU only)")
     ap.add_argument("--lanes", type=int, default=None,
                     help="batches in flight at once (default: the pipeline's, 2 on a CPU)")
     ap.add_argument("--profile", action="store_true",
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = [str(p) for p in list_images(args.images)][: args.limit]
     if not paths:
         raise SystemExit(f"no images in {args.images}")
-    captioner = load_model(args.model, args.device)
+    captioner = load_model(args.model, args.device, args.precision)
     dev = captioner.device
     lanes = default_lanes(dev) if args.lanes is None else args.lanes
 
@@ -267,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "workers": args.workers,
         "lanes": lanes,
+        "precision": args.precision,
         "repeats": args.repeats,
         "latency_p50_ms": round(float(np.percentile(lat, 50)), 1),
         "latency_p95_ms": round(float(np.percentile(lat, 95)), 1),
@@ -305,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("peak GPU memory", f"{result['peak_gpu_mb']} MB"))
     print(f"{result['model']} ({result['input_size']} px) on {result['device']}, "
           f"{len(paths)} images, batch {args.batch_size}, {args.workers} workers, {lanes} lanes, "
+          f"precision {args.precision}, "
           f"median of {args.repeats}, load average {result['load_average']}")
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
