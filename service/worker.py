@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from showattendtell.catalog import bundled_models, default_model_path, resolve_model
+from showattendtell.catalog import bundled_models, default_model_path, resolve_models
 from showattendtell.decoding import DecodingConfig
 from showattendtell.errors import UserError
 from showattendtell.images import image_warning, preprocess
@@ -135,14 +135,15 @@ class CaptionService:
             job.future.set_result(result)
 
 
-def model_paths(specs: Sequence[str | Path] | None) -> list[Path]:
-    """The model files that --model names (paths or model names, `sat models`), or the default
-    model and any other bundled ones. Every spec is resolved before any model loads: an unknown
-    name is a ModelNotFound (exit status 2) listing the names there are."""
+def model_paths(specs: Sequence[str | Path] | None) -> list[list[Path]]:
+    """The model files of each model --model names (paths or model names, `sat models`; A+B:
+    an ensemble, several files), or the default model and any other bundled ones. Every spec is
+    resolved before any model loads: an unknown name is a ModelNotFound (exit status 2) listing
+    the names there are."""
     if specs:
-        return [resolve_model(s) for s in specs]
+        return [resolve_models(s) for s in specs]
     found = [default_model_path()]
-    return found + [p for p in bundled_models() if p != found[0]]
+    return [[p] for p in found + [p for p in bundled_models() if p != found[0]]]
 
 
 def load_service(specs: Sequence[str | Path] | None = None, device: str = "auto",
@@ -156,11 +157,11 @@ def load_service(specs: Sequence[str | Path] | None = None, device: str = "auto"
     overrides = dict(decoding or {})
     DecodingConfig().with_overrides(**overrides)  # a bad value fails before the slow part
     captioners: dict[str, Captioner] = {}
-    for path in model_paths(specs):
-        captioner = load_model(path, device, precision)
-        name = path.stem
+    for paths in model_paths(specs):
+        captioner = load_model(paths, device, precision)
+        name = captioner.name  # the file stem, or A+B for an ensemble
         if name in captioners:  # same stem in two folders
-            name = f"{path.parent.name}/{path.stem}"
+            name = "+".join(f"{p.parent.name}/{p.stem}" for p in paths)
         captioner.name = name
         captioner.decoding = captioner.decoding.with_overrides(**overrides)
         captioners[name] = captioner

@@ -185,7 +185,10 @@ def test_serve_model_names(capsys):
 
 @needs_bundled
 def test_serve_bundled_model_by_name(monkeypatch):
-    assert model_paths(["flickr8k_lite2_hard"]) == [BUNDLED_DIR / "flickr8k_lite2_hard.safetensors"]
+    hard = BUNDLED_DIR / "flickr8k_lite2_hard.safetensors"
+    assert model_paths(["flickr8k_lite2_hard"]) == [[hard]]
+    assert model_paths(["flickr8k_lite2_soft+flickr8k_lite2_hard"]) == [[
+        BUNDLED_DIR / "flickr8k_lite2_soft.safetensors", hard]]
     seen = _fake_launch(monkeypatch)
     assert main(["serve", "--model", "flickr8k_lite2_hard", "--device", "cpu"]) == 0
     assert list(seen["decoding"]) == ["flickr8k_lite2_hard"]

@@ -3,7 +3,8 @@
 ``--model`` (every command that reads a model) and ``load_model()`` accept a path to a model file,
 or the name of a bundled model (its file stem, e.g. ``flickr8k_lite2_hard``) or of the file
 ``$SAT_MODEL`` points to. After ``pip install`` the bundled files live in site-packages, so a
-name, not a path, is the interface. An existing path wins over a name.
+name, not a path, is the interface. An existing path wins over a name. ``A+B`` names an
+ensemble of models A and B (ensemble.py).
 
 The top of this module stays import-light (no torch): the CLI imports it to build its parser.
 """
@@ -79,3 +80,19 @@ def resolve_model(spec: str | Path | None) -> Path:
     known = ", ".join(named) or "none installed"
     raise ModelNotFound(f"--model {spec}: no such file, and no model of that name (models: "
                         f"{known}; `sat models` lists them)")
+
+
+ENSEMBLE_SEPARATOR = "+"
+
+
+def resolve_models(spec: str | Path | None) -> list[Path]:
+    """The model files ``spec`` means: one, or several for an ensemble ``A+B`` (an existing file
+    whose name holds a "+" is that file)."""
+    text = "" if spec is None else str(spec)
+    if ENSEMBLE_SEPARATOR not in text or Path(text).is_file():
+        return [resolve_model(spec)]
+    parts = text.split(ENSEMBLE_SEPARATOR)
+    if any(not p.strip() for p in parts):
+        raise ModelNotFound(f"--model {spec}: an ensemble is MODEL+MODEL[+...], each a model "
+                            "file or name")
+    return [resolve_model(p.strip()) for p in parts]

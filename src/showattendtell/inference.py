@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from showattendtell.catalog import resolve_model
+from showattendtell.catalog import resolve_models
 from showattendtell.decoding import DecodingConfig
 from showattendtell.errors import UsageError
 from showattendtell.images import image_warning, open_image, preprocess
@@ -145,14 +146,22 @@ class Captioner:
         return results
 
 
-def load_model(path: str | Path | None = None, device: str = "auto",
+def load_model(path: str | Path | Sequence[str | Path] | None = None, device: str = "auto",
                precision: str = "32") -> Captioner:
-    """Load a model for captioning: a model file, a model's name (`sat models`), or None for
+    """Load a model for captioning: a model file, a model's name (`sat models`), ``A+B`` or a
+    list of them for an ensemble (decoded with the first one's stored settings), or None for
     the default model ($SAT_MODEL, else the bundled default). ``precision``: "32", "bf16" or
     "16" (mixed precision; "16" on a GPU only)."""
-    path = resolve_model(path)
-    model, decoding, _ = read_model(path)
-    return Captioner(model, decoding, device, name=path.stem, precision=precision)
+    specs = list(path) if isinstance(path, (list, tuple)) else [path]
+    paths = [p for spec in specs or [None] for p in resolve_models(spec)]
+    loaded = [read_model(p) for p in paths]
+    model, decoding, _ = loaded[0]
+    if len(paths) > 1:
+        from showattendtell.ensemble import EnsembleModel
+
+        model = EnsembleModel([m for m, _, _ in loaded], [p.stem for p in paths])
+    return Captioner(model, decoding, device, name="+".join(p.stem for p in paths),
+                     precision=precision)
 
 
 def caption_images(captioner: Captioner, images: list, **decoding) -> list[CaptionResult]:

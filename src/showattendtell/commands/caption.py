@@ -67,7 +67,8 @@ def add_parser(sub) -> None:
                    help="batches captioned at once, each on its share of the threads (default: "
                         "2 on a CPU with 2 or more threads, else 1)")
     p.add_argument("--model", default=None,
-                   help="model file or name (`sat models`; default: the bundled model)")
+                   help="model file or name (`sat models`; default: the bundled model), or A+B "
+                        "for an ensemble of models that share an encoder")
     p.add_argument("--devices", type=int, default=1, metavar="N",
                    help="captioning processes on this machine (default 1): one per GPU with "
                         "--device cuda/auto on a GPU machine, else CPU processes sharing the "

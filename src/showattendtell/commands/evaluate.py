@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
                     "official COCO caption toolkit. Prints the scores as one JSON object on the "
                     "last line of standard output.")
     p.add_argument("--model", default=None,
-                   help="model file or name (`sat models`; default: the bundled model)")
+                   help="model file or name (`sat models`; default: the bundled model), or A+B "
+                        "for an ensemble of models that share an encoder")
     p.add_argument("--dataset", required=True, choices=DATASET_CHOICES,
                    help="coco (official files, or Karpathy's split with dataset_coco.json), "
                         "flickr8k (original release files), karpathy (dataset_*.json)")
