@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "(api_name='/caption').")
     p.add_argument("--model", action="append", metavar="MODEL",
                    help="a model file (.safetensors) or a model name (`sat models` lists them); "
-                        "A+B for an ensemble; repeat for a model menu (named by file stem). Default: "
-                        "$SAT_MODEL or the bundled model, then the other bundled models")
+                        "A+B for an ensemble; repeat for a model menu (named by file stem). "
+                        "Default: $SAT_MODEL or the bundled model, then the other bundled models")
     add_device_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0: all)")
