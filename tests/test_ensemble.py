@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from synthetic import make_example
+from synthetic import write_photos
 
 from showattendtell.catalog import ModelNotFound, resolve_models
 from showattendtell.cli import main
@@ -20,13 +20,7 @@ from showattendtell.vocab import Vocabulary
 
 
 def photos(tmp_path, n: int = 4) -> list[str]:
-    rng = np.random.default_rng(3)
-    out = []
-    for i in range(n):
-        p = tmp_path / f"{i}.png"
-        make_example(rng)[0].save(p)
-        out.append(str(p))
-    return out
+    return write_photos(tmp_path, n, seed=3)
 
 
 def test_an_ensemble_of_a_model_with_itself_is_that_model(tiny_model_file, tmp_path):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import threading
 
-import numpy as np
 import pytest
 import torch
-from synthetic import make_example
+from synthetic import write_photos
 
 from showattendtell.inference import load_model
 from showattendtell.pipeline import caption_files, encode_files, in_lanes
@@ -16,12 +15,7 @@ from showattendtell.progress import Progress
 
 
 def write_inputs(tmp_path, n: int = 5) -> list[str]:
-    rng = np.random.default_rng(1)
-    paths = []
-    for i in range(n):
-        p = tmp_path / f"{i}.png"
-        make_example(rng)[0].save(p)
-        paths.append(str(p))
+    paths = write_photos(tmp_path, n)
     (tmp_path / "bad.jpg").write_text("not an image")
     paths.insert(2, str(tmp_path / "bad.jpg"))
     return paths
