@@ -66,11 +66,12 @@ def in_lanes(fn: Callable[[T], U], items: Iterable[T], lanes: int) -> Iterator[U
     threads that share the CPU threads between them.
 
     Why: a batch of 16 images is too small for torch's intra-op threads to keep two cores busy
-    (measured here: the encoder takes 39.5 ms per image on 2 threads, 61.3 on 1, and 32 in two
-    single-threaded lanes side by side), and the search's small per-word matmuls scale worse
-    still. Torch releases the GIL inside its operators, so threads suffice; with
-    one lane this is a plain loop. The caller's grad mode (``torch.inference_mode``,
-    ``torch.no_grad``), which torch keeps per thread, holds in the lanes too.
+    (measured here with benchmarks/caption_throughput.py: the encoder takes 64 ms per image on
+    1 thread, 35 on 2 threads, 31 in two single-threaded lanes side by side), and the search's
+    small per-word matmuls scale worse still. Torch releases the GIL inside its operators, so
+    threads suffice; with one lane this is a plain loop. The caller's grad mode
+    (``torch.inference_mode``, ``torch.no_grad``), which torch keeps per thread, holds in the
+    lanes too.
     """
     if lanes <= 1:
         yield from map(fn, items)
