@@ -93,3 +93,28 @@ def test_shared_caffe_resnet50_classifies_a_real_photo():
         logits = net.fc(grid.mean(1))
     assert grid.shape == (1, 49, 2048)
     assert int(logits.argmax()) == 752  # racket
+
+
+@pytest.mark.parametrize("fine_tune_stages", [0, 2])
+def test_a_cpu_batch_goes_through_the_cnn_in_slices_with_the_same_result(fine_tune_stages):
+    """On a CPU a batch runs a few images at a time (it is faster: the activations stay in the
+    caches), with the same grids as the whole batch at once."""
+    torch.manual_seed(0)
+    enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, input_size=64,
+                                fine_tune_stages=fine_tune_stages))
+    x = torch.randn(7, 3, 64, 64)
+    sizes = []
+    enc.stages[0].register_forward_pre_hook(lambda m, args: sizes.append(len(args[0])))
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)  # CPU_IMAGES_PER_THREAD = 2 images per slice
+            sliced = enc.cached_features(x)
+            torch.set_num_threads(4)  # slices of 8: the whole batch at once
+            whole = enc.cached_features(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert sizes == [2, 2, 2, 1, 7]
+    torch.testing.assert_close(sliced, whole, rtol=1e-3, atol=1e-3)  # float32 rounding
+    with torch.no_grad():
+        torch.testing.assert_close(enc.in_chunks(lambda t: t * 2, x), x * 2)
