@@ -65,10 +65,10 @@ def in_lanes(fn: Callable[[T], U], items: Iterable[T], lanes: int) -> Iterator[U
     """``fn(item)`` for every item, in order, with up to ``lanes`` calls running at once in
     threads that share the CPU threads between them.
 
-    Why: a batch of 16 images is too small for torch's intra-op threads to keep two cores busy
-    (measured here with benchmarks/caption_throughput.py: the encoder takes 64 ms per image on
-    1 thread, 35 on 2 threads, 31 in two single-threaded lanes side by side), and the search's
-    small per-word matmuls scale worse still. Torch releases the GIL inside its operators, so
+    Why: the search's small per-word matmuls keep two threads only half busy; in lanes, one
+    batch's CNN runs while another's search does (measured with
+    benchmarks/caption_throughput.py on 2 cores: captioning 1.3x faster in 2 lanes than in
+    1, the encoder alone 1.4x). Torch releases the GIL inside its operators, so
     threads suffice; with one lane this is a plain loop. The caller's grad mode
     (``torch.inference_mode``, ``torch.no_grad``), which torch keeps per thread, holds in the
     lanes too.
