@@ -45,3 +45,15 @@ def test_soft_loss_is_nll_plus_lambda_times_penalty():
     assert torch.allclose(reg.loss, expected)
     # the per-token NLL counts the real tokens only
     assert torch.allclose(plain.nll * lengths.sum(), -plain.log_likelihood.sum())
+
+
+def test_the_cpu_tanh_is_tanh_with_tanhs_gradient():
+    """attention.tanh computes 2 sigmoid(2x) - 1 on a CPU (faster there than torch.tanh)."""
+    from showattendtell.attention import tanh
+
+    x = torch.linspace(-12, 12, 100_001)
+    torch.testing.assert_close(tanh(x), torch.tanh(x), rtol=0, atol=3e-7)
+    x64 = torch.randn(50, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(tanh, (x64,))
+    (grad,) = torch.autograd.grad(tanh(x64).sum(), x64)
+    torch.testing.assert_close(grad, 1 - torch.tanh(x64.detach()) ** 2)

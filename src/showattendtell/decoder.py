@@ -153,13 +153,7 @@ class Decoder(nn.Module):
         H = self.config.hidden_dim
         hp = self.hidden_proj(h)
         gates_h, att_h, beta = hp[:, : 4 * H], hp[:, 4 * H : -1], hp[:, -1:]
-        if beams == 1:
-            alpha = self.attention.weights(projected, att_h)
-        else:  # the same equations, broadcast over each image's beams instead of K grid copies
-            G, L, A = projected.shape
-            e = self.attention.score(torch.tanh(projected.unsqueeze(1)
-                                                + att_h.view(G, beams, 1, A)))
-            alpha = F.softmax(e.view(G * beams, L), dim=1)
+        alpha = self.attention.weights(projected, att_h, beams)
         if mode == "soft":
             if beams == 1:
                 s, context = None, expected_context(alpha, annotations)
