@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="folders (or files) of images, read in place")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=("cpu", "cuda"))
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=32, help="as sat caption's default")
     ap.add_argument("--workers", type=int, default=default_workers())
     ap.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N images")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from synthetic import write_photos
 
+from showattendtell.images import batch_indices
 from showattendtell.inference import load_model
 from showattendtell.pipeline import caption_files, encode_files, in_lanes
 from showattendtell.progress import Progress
@@ -113,3 +114,28 @@ def test_progress_writes_lines_without_a_terminal(caplog):
     with Progress(3, "quiet", enabled=False) as progress:
         progress(3)
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize(("n", "batch_size", "lanes", "sizes"), [
+    (120, 16, 2, [16] * 6 + [12, 12]),  # 7.5 batches: the last two lanes share 24 photos
+    (128, 16, 2, [16] * 8),
+    (33, 16, 2, [16, 9, 8]),
+    (20, 16, 2, [10, 10]),
+    (100, 16, 3, [16] * 4 + [12, 12, 12]),
+    (1, 16, 2, [1]),
+    (0, 16, 2, []),
+    (120, 16, 1, [16] * 7 + [8]),  # one lane: plain consecutive batches
+])
+def test_the_last_batches_share_the_remainder_between_lanes(n, batch_size, lanes, sizes):
+    batches = batch_indices(n, batch_size, lanes)
+    assert [len(b) for b in batches] == sizes
+    assert [i for b in batches for i in b] == list(range(n))  # every input once, in order
+
+
+def test_lanes_get_balanced_batches_from_the_pipeline(tiny_model_file, tmp_path):
+    paths = write_inputs(tmp_path, 8)  # 9 inputs, one undecodable
+    captioner = load_model(tiny_model_file, "cpu")
+    sizes = [len(batch.items) for batch, _ in encode_files(
+        paths, captioner.encode, captioner.input_size, batch_size=4, workers=0, lanes=2)]
+    assert sizes == [4, 3, 2]  # not 4, 4, 1
+

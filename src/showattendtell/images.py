@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -216,11 +217,29 @@ def collate_images(items: list[LoadedImage]) -> ImageBatch:
     return ImageBatch(items, torch.stack(good) if good else None)
 
 
+def batch_indices(n: int, batch_size: int, lanes: int = 1) -> list[list[int]]:
+    """Consecutive batches of ``batch_size`` indices of ``range(n)``, except that the last
+    ``lanes`` batches share what is left evenly.
+
+    Why: lanes (pipeline.in_lanes) run batches side by side, one CPU thread each, so with
+    120 photos in batches of 16 the last lane would caption 16 photos on one core while the
+    other had 8 and then nothing to do; batches of 12 and 12 end together.
+    """
+    full = max(0, -(-n // batch_size) - lanes)  # batches before the last round
+    rest = n - full * batch_size
+    parts = min(lanes, rest)
+    sizes = [batch_size] * full + [rest // parts + (i < rest % parts) for i in range(parts)]
+    ends = list(itertools.accumulate(sizes))
+    return [list(range(end - k, end)) for end, k in zip(ends, sizes, strict=True)]
+
+
 def load_batches(paths: Sequence[str | Path], input_size: int, batch_size: int, workers: int,
-                 pin_memory: bool = False) -> Iterator[ImageBatch]:
+                 pin_memory: bool = False, lanes: int = 1) -> Iterator[ImageBatch]:
     """Batches of decoded, resized uint8 images in input order, decoded by ``workers``
-    processes (``normalise`` them where they are used)."""
-    loader = DataLoader(ImageFiles(paths, input_size), batch_size=batch_size, shuffle=False,
+    processes (``normalise`` them where they are used); the last ``lanes`` batches share the
+    remainder (``batch_indices``)."""
+    loader = DataLoader(ImageFiles(paths, input_size),
+                        batch_sampler=batch_indices(len(paths), batch_size, lanes),
                         num_workers=workers, collate_fn=collate_images, pin_memory=pin_memory,
                         prefetch_factor=4 if workers else None, persistent_workers=False)
     yield from loader

@@ -14,7 +14,7 @@ import contextlib
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 U = TypeVar("U")
+_END = object()
 
 
 @dataclass
@@ -82,15 +83,24 @@ def in_lanes(fn: Callable[[T], U], items: Iterable[T], lanes: int) -> Iterator[U
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return fn(item)
 
+    source, exhausted = iter(items), False
     with threads_per_lane(lanes), ThreadPoolExecutor(lanes, "sat-lane") as pool:
-        pending: deque[Future[U]] = deque()
+        pending: deque[Future[U]] = deque()  # in input order; at most 2 x lanes
         try:
-            for item in items:
-                pending.append(pool.submit(call, item))
-                if len(pending) >= lanes:
+            while pending or not exhausted:
+                # A lane that is done takes the next item at once, even while an earlier one
+                # still runs in another lane (its result waits its turn to be yielded).
+                while (not exhausted and len(pending) < 2 * lanes
+                       and sum(not f.done() for f in pending) < lanes):
+                    item = next(source, _END)
+                    if item is _END:
+                        exhausted = True
+                    else:
+                        pending.append(pool.submit(call, item))
+                if pending and not pending[0].done():
+                    wait([f for f in pending if not f.done()], return_when=FIRST_COMPLETED)
+                while pending and pending[0].done():
                     yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
         finally:  # the consumer stopped early (an error, Ctrl-C): start nothing new
             for f in pending:
                 f.cancel()
@@ -113,7 +123,7 @@ def encode_files(paths: Sequence[str | Path], encode: Callable[[torch.Tensor], t
             return batch, None
         return batch, encode(normalise(batch.tensors.to(device, non_blocking=pin)))
 
-    batches = load_batches(paths, input_size, batch_size, workers, pin)
+    batches = load_batches(paths, input_size, batch_size, workers, pin, lanes)
     for batch, out in in_lanes(run, batches, lanes):
         yield batch, out
         if progress is not None:

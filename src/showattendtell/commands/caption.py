@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
                         "each showing where the model looked")
     p.add_argument("--resume", action="store_true",
                    help="append to --output, skipping images already in it")
-    p.add_argument("--batch-size", type=int, default=16, help="images per batch (default 16)")
+    p.add_argument("--batch-size", type=int, default=32, help="images per batch (default 32)")
     p.add_argument("--workers", type=int, default=None,
                    help=f"image-decoding processes (default min(4, cores) = {default_workers()}; "
                         "0 decodes in the main process)")
