@@ -1,3 +1,4 @@
+import pytest
 import torch
 from helpers import make_batch, small_decoder
 
@@ -47,13 +48,32 @@ def test_soft_loss_is_nll_plus_lambda_times_penalty():
     assert torch.allclose(plain.nll * lengths.sum(), -plain.log_likelihood.sum())
 
 
-def test_the_cpu_tanh_is_tanh_with_tanhs_gradient():
-    """attention.tanh computes 2 sigmoid(2x) - 1 on a CPU (faster there than torch.tanh)."""
-    from showattendtell.attention import tanh
+@pytest.mark.parametrize("piece_bytes", [1, 3 * (3 * 5 * 8 * 8), 2**30])  # 1 image, 3, all 7
+def test_attention_weights_are_the_tanh_scores_softmax_with_their_gradients(
+        monkeypatch, piece_bytes):
+    """AdditiveAttention.weights computes the scores as 2 w^T sigmoid(2x), at inference in
+    pieces of images on a CPU: alpha and every gradient must be those of softmax(w^T tanh(x))."""
+    from showattendtell import attention
 
-    x = torch.linspace(-12, 12, 100_001)
-    torch.testing.assert_close(tanh(x), torch.tanh(x), rtol=0, atol=3e-7)
-    x64 = torch.randn(50, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(tanh, (x64,))
-    (grad,) = torch.autograd.grad(tanh(x64).sum(), x64)
-    torch.testing.assert_close(grad, 1 - torch.tanh(x64.detach()) ** 2)
+    monkeypatch.setattr(attention, "CPU_SCORE_BYTES", piece_bytes)
+    torch.manual_seed(0)
+    att = attention.AdditiveAttention(6, 8).double()
+    G, beams, L = 7, 3, 5
+    projected = att.project_annotations(torch.randn(G, L, 6, dtype=torch.float64))
+    projected = projected.detach().requires_grad_()
+    hidden = torch.randn(G * beams, 8, dtype=torch.float64, requires_grad=True)
+
+    def textbook(p, h):
+        x = p.repeat_interleave(beams, 0) + h.unsqueeze(1)  # (N, L, A): a copy per beam
+        return torch.softmax(torch.tanh(x) @ att.score.weight.squeeze(0), dim=1)
+
+    with torch.no_grad():  # inference: in pieces of images on a CPU
+        alpha = att.weights(projected, hidden, beams)
+        torch.testing.assert_close(alpha, textbook(projected, hidden), rtol=0, atol=1e-12)
+    probe = torch.randn_like(alpha)
+    inputs = (projected, hidden, att.score.weight)
+    got = torch.autograd.grad((att.weights(projected, hidden, beams) * probe).sum(), inputs)
+    want = torch.autograd.grad((textbook(projected, hidden) * probe).sum(), inputs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    assert att.weights(projected[:0], hidden[:0], beams).shape == (0, L)
