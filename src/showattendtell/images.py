@@ -217,7 +217,7 @@ def collate_images(items: list[LoadedImage]) -> ImageBatch:
     return ImageBatch(items, torch.stack(good) if good else None)
 
 
-def batch_indices(n: int, batch_size: int, lanes: int = 1) -> list[list[int]]:
+def batch_indices(n: int, batch_size: int, lanes: int = 1) -> list[range]:
     """Consecutive batches of ``batch_size`` indices of ``range(n)``, except that the last
     ``lanes`` batches share what is left evenly.
 
@@ -230,7 +230,8 @@ def batch_indices(n: int, batch_size: int, lanes: int = 1) -> list[list[int]]:
     parts = min(lanes, rest)
     sizes = [batch_size] * full + [rest // parts + (i < rest % parts) for i in range(parts)]
     ends = list(itertools.accumulate(sizes))
-    return [list(range(end - k, end)) for end, k in zip(ends, sizes, strict=True)]
+    return [range(end - k, end) for end, k in zip(ends, sizes, strict=True)]  # not lists: a
+    # million photos would hold a million ints here for the whole run
 
 
 def load_batches(paths: Sequence[str | Path], input_size: int, batch_size: int, workers: int,
