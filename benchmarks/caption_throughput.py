@@ -36,7 +36,13 @@ import torch
 from showattendtell.caption_output import Writer
 from showattendtell.images import list_images, load_image
 from showattendtell.inference import PRECISIONS, Captioner, load_model
-from showattendtell.pipeline import caption_files, default_lanes, default_workers, in_lanes
+from showattendtell.pipeline import (
+    DEFAULT_BATCH_SIZE,
+    caption_files,
+    default_lanes,
+    default_workers,
+    in_lanes,
+)
 
 DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared/data/coco2017_val_subset/images"
 
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="folders (or files) of images, read in place")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=("cpu", "cuda"))
-    ap.add_argument("--batch-size", type=int, default=32, help="as sat caption's default")
+    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                    help="as sat caption's default")
     ap.add_argument("--workers", type=int, default=default_workers())
     ap.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N images")

@@ -41,6 +41,10 @@ class Record:
     error: str | None = None
 
 
+DEFAULT_BATCH_SIZE = 32  # a search step reads all the decoder's weights whatever its rows, so
+# 32 images share that cost better than 16 (README, "Why 32"); the CNN runs in slices anyway
+
+
 def default_workers() -> int:
     """Image-decoding worker processes: one per core, at most 4 (the CNN needs cores too)."""
     return min(4, os.cpu_count() or 1)
@@ -107,7 +111,7 @@ def in_lanes(fn: Callable[[T], U], items: Iterable[T], lanes: int) -> Iterator[U
 
 
 def encode_files(paths: Sequence[str | Path], encode: Callable[[torch.Tensor], torch.Tensor],
-                 input_size: int, batch_size: int = 16, workers: int | None = None,
+                 input_size: int, batch_size: int = DEFAULT_BATCH_SIZE, workers: int | None = None,
                  device: torch.device | str = "cpu", progress: Progress | None = None,
                  lanes: int | None = None) -> Iterator[tuple[ImageBatch, Any]]:
     """(batch, ``encode``'s output for its decoded images or None) for consecutive inputs, in
@@ -130,8 +134,9 @@ def encode_files(paths: Sequence[str | Path], encode: Callable[[torch.Tensor], t
             progress(len(batch.items))
 
 
-def caption_files(captioner: Captioner, paths: Sequence[str | Path], batch_size: int = 16,
-                  workers: int | None = None, progress: Progress | None = None,
+def caption_files(captioner: Captioner, paths: Sequence[str | Path],
+                  batch_size: int = DEFAULT_BATCH_SIZE, workers: int | None = None,
+                  progress: Progress | None = None,
                   lanes: int | None = None, **decoding: Any) -> Iterator[Record]:
     """Caption image files; yields one Record per path, in input order, as batches finish.
 

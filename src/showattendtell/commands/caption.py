@@ -29,7 +29,7 @@ from showattendtell.caption_output import (
 )
 from showattendtell.cli_common import add_decoding_args, add_device_args, decoding_overrides
 from showattendtell.errors import UsageError, UserError
-from showattendtell.pipeline import Record, default_workers
+from showattendtell.pipeline import DEFAULT_BATCH_SIZE, Record, default_workers
 
 if TYPE_CHECKING:
     from showattendtell.distributed import Processes
@@ -56,7 +56,8 @@ def add_parser(sub) -> None:
                         "each showing where the model looked")
     p.add_argument("--resume", action="store_true",
                    help="append to --output, skipping images already in it")
-    p.add_argument("--batch-size", type=int, default=32, help="images per batch (default 32)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help=f"images per batch (default {DEFAULT_BATCH_SIZE})")
     p.add_argument("--workers", type=int, default=None,
                    help=f"image-decoding processes (default min(4, cores) = {default_workers()}; "
                         "0 decodes in the main process)")
