@@ -211,7 +211,8 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(synthetic_fl
     import time
 
     args = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
-            str(synthetic_flickr), "--data.feature_cache", "cache", "--trainer.max_epochs", "100000"]
+            str(synthetic_flickr), "--data.feature_cache", "cache",
+            "--trainer.max_epochs", "100000"]
     # so many epochs that only Ctrl-C ends the run: a fast machine ran 200 tiny epochs in the
     # second this test waits before it presses Ctrl-C
     proc = subprocess.Popen([sys.executable, "-m", "showattendtell.cli", *args], cwd=tmp_path,

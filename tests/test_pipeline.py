@@ -72,6 +72,33 @@ def test_lanes_run_batches_at_once_in_order_on_a_share_of_the_threads():
         torch.set_num_threads(before)
 
 
+def test_each_lane_thread_sets_its_own_share_of_the_threads(monkeypatch):
+    """MKL's thread count is per thread (a new thread's is all cores, whatever the main thread
+    set, though torch.get_num_threads() says otherwise), so every lane must set it itself."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        calls: list[tuple[str, int]] = []
+        real = torch.set_num_threads
+
+        def recording(n: int) -> None:
+            calls.append((threading.current_thread().name, n))
+            real(n)
+
+        monkeypatch.setattr(torch, "set_num_threads", recording)
+        both = threading.Barrier(2, timeout=10)  # the two items run in two lane threads
+
+        def lane_name(_: int) -> str:
+            both.wait()
+            return threading.current_thread().name
+
+        names = list(in_lanes(lane_name, range(2), lanes=2))
+        assert len(set(names)) == 2
+        assert all((name, 1) in calls for name in names)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_lanes_pass_errors_on_and_stop_when_the_consumer_does():
     started = []
 

@@ -56,12 +56,14 @@ def default_lanes(device: torch.device | str) -> int:
 
 
 @contextlib.contextmanager
-def threads_per_lane(lanes: int) -> Iterator[None]:
-    """Give each of ``lanes`` threads its share of torch's CPU threads, for the block."""
+def threads_per_lane(lanes: int) -> Iterator[int]:
+    """Give each of ``lanes`` threads its share of torch's CPU threads, for the block; yields
+    that share, which each lane thread must also set for itself (see ``in_lanes``)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, before // lanes))
+    share = max(1, before // lanes)
+    torch.set_num_threads(share)
     try:
-        yield
+        yield share
     finally:
         torch.set_num_threads(before)
 
@@ -88,7 +90,11 @@ def in_lanes(fn: Callable[[T], U], items: Iterable[T], lanes: int) -> Iterator[U
             return fn(item)
 
     source, exhausted = iter(items), False
-    with threads_per_lane(lanes), ThreadPoolExecutor(lanes, "sat-lane") as pool:
+    # Each lane sets its share itself: MKL's thread count (the matmuls) is per thread, and a
+    # new thread's is all cores whatever the main thread set, so two lanes ran 2 x 2 matmul
+    # threads on 2 cores (torch.get_num_threads() in a lane says 1 all the same).
+    with threads_per_lane(lanes) as share, ThreadPoolExecutor(
+            lanes, "sat-lane", initializer=torch.set_num_threads, initargs=(share,)) as pool:
         pending: deque[Future[U]] = deque()  # in input order; at most 2 x lanes
         try:
             while pending or not exhausted:
