@@ -80,7 +80,7 @@ class CaptionService:
     def decoding(self, name: str | None, **overrides: Any) -> DecodingConfig:
         """The settings a request gets: the model's defaults with ``overrides`` (None: keep),
         checked by DecodingConfig (a DecodingError names a value out of range)."""
-        return self.get(name).decoding.with_overrides(**overrides)
+        return self.get(name).check_decoding(**overrides)
 
     def caption(self, image: Image.Image, model: str | None = None,
                 decoding: DecodingConfig | None = None, timeout: float = 300.0) -> CaptionResult:
@@ -163,7 +163,7 @@ def load_service(specs: Sequence[str | Path] | None = None, device: str = "auto"
         if name in captioners:  # same stem in two folders
             name = "+".join(f"{p.parent.name}/{p.stem}" for p in paths)
         captioner.name = name
-        captioner.decoding = captioner.decoding.with_overrides(**overrides)
+        captioner.decoding = captioner.check_decoding(**overrides)
         captioners[name] = captioner
         log.info("loaded %s (%s attention) on %s", name, captioner.attention_type,
                  captioner.device)

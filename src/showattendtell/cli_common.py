@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-DECODING_OPTIONS = ("beam_size", "max_length", "length_penalty", "hard_mode", "no_repeat_ngram")
+DECODING_OPTIONS = ("beam_size", "max_length", "length_penalty", "hard_mode", "no_repeat_ngram",
+                    "rerank")
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -21,6 +22,10 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                         "sampled one (sample), or use the expected context (expectation)")
     g.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
                    help="never repeat an N-word sequence within a caption (0: allow)")
+    g.add_argument("--rerank", default=None, metavar="{none,consensus}",
+                   help="consensus: choose among the beam's captions the one that best agrees "
+                        "with the captions of similar training photos (models with a "
+                        "consensus index; `sat models` says which)")
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from showattendtell.errors import UsageError
 PAD, START, END, UNK = 0, 1, 2, 3
 
 HARD_MODES = ("argmax", "sample", "expectation")  # hard attention at inference
+RERANKERS = ("none", "consensus")  # how the beam's finished captions are ranked (consensus.py)
 MAX_BEAM_SIZE = 20  # beam 500 runs for minutes at 8.6 GB: a limit, not a surprise
 MAX_CAPTION_LENGTH = 100
 MAX_LENGTH_PENALTY = 5.0
@@ -56,6 +57,7 @@ class DecodingConfig:
     length_penalty: float = 0.0  # beams ranked by log p / length**length_penalty
     hard_mode: str = "argmax"  # hard attention at inference: argmax, sample or expectation
     no_repeat_ngram: int = 0  # > 0: no n-gram of this size twice in a caption
+    rerank: str = "none"  # "consensus": the beam's captions re-ranked by consensus.py
 
     def __post_init__(self) -> None:
         self.beam_size = _integer("beam size (--beam-size)", self.beam_size, 1, MAX_BEAM_SIZE)
@@ -69,6 +71,9 @@ class DecodingConfig:
             raise DecodingError(f"length penalty (--length-penalty) must be a number from 0 to "
                                 f"{MAX_LENGTH_PENALTY:g}, not {lp!r}")
         self.length_penalty = float(lp)
+        if self.rerank not in RERANKERS:
+            raise DecodingError(f"reranking (--rerank) must be one of {', '.join(RERANKERS)}, "
+                                f"not {self.rerank!r}")
         if self.hard_mode not in HARD_MODES:
             raise DecodingError(f"hard-attention mode (--hard-mode) must be one of "
                                 f"{', '.join(HARD_MODES)}, not {self.hard_mode!r}")

@@ -87,6 +87,7 @@ class EnsembleModel(CaptionModel):
         self.vocab = first.vocab
         self.encoder = first.encoder
         self.decoder = EnsembleDecoder([m.decoder for m in models])
+        self.consensus = first.consensus  # the first model's index, as its stored decoding
 
     def interpolate_(self, other: CaptionModel, alpha: float) -> CaptionModel:
         raise EnsembleError("an ensemble cannot be interpolated; interpolate its members")

@@ -106,6 +106,13 @@ class Captioner:
     def preprocess(self, image: str | Path | bytes | Image.Image) -> torch.Tensor:
         return preprocess(open_image(image), self.input_size)
 
+    def check_decoding(self, **decoding) -> DecodingConfig:
+        """The stored decoding with these overrides; a DecodingError if one is out of range or
+        this model cannot decode with it (e.g. --rerank consensus without an index)."""
+        cfg = self.decoding.with_overrides(**decoding)
+        self.model.check_decoding(cfg)
+        return cfg
+
     @torch.inference_mode()
     def caption_annotations(self, annotations: torch.Tensor, **decoding) -> list[CaptionResult]:
         cfg = self.decoding.with_overrides(**decoding)
@@ -135,9 +142,10 @@ class Captioner:
     def caption(self, images: list, **decoding) -> list[CaptionResult]:
         """Caption images (paths, bytes or PIL images) as one batch.
 
-        Keyword overrides: beam_size, max_length, length_penalty, hard_mode, no_repeat_ngram.
+        Keyword overrides: beam_size, max_length, length_penalty, hard_mode, no_repeat_ngram,
+        rerank.
         """
-        self.decoding.with_overrides(**decoding)  # bad options fail before any work
+        self.check_decoding(**decoding)  # bad options fail before any work
         decoded = [open_image(im) for im in images]
         batch = torch.stack([preprocess(im, self.input_size) for im in decoded])
         results = self.caption_batch(batch, **decoding)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from showattendtell.consensus import ConsensusIndex
 from showattendtell.decoder import Decoder, DecoderConfig
-from showattendtell.decoding import DecodingConfig, Hypothesis, generate
+from showattendtell.decoding import DecodingConfig, DecodingError, Hypothesis, generate
 from showattendtell.encoder import Encoder, EncoderConfig
 from showattendtell.vocab import Vocabulary
 
@@ -23,6 +24,7 @@ class CaptionModel(nn.Module):
         self.vocab = vocab
         self.encoder = Encoder(encoder, load_weights=load_encoder_weights)
         self.decoder = Decoder(len(vocab), encoder.feature_dim, decoder)
+        self.consensus: ConsensusIndex | None = None  # for rerank "consensus" (consensus.py)
 
     @property
     def grid(self) -> int:
@@ -31,8 +33,25 @@ class CaptionModel(nn.Module):
     def generate(
         self, annotations: torch.Tensor, decoding: DecodingConfig
     ) -> list[list[Hypothesis]]:
-        """Captions for a batch of annotation grids (B, L, D), as ``decoding`` says."""
-        return generate(self.decoder, annotations, decoding)
+        """Captions for a batch of annotation grids (B, L, D), as ``decoding`` says: each
+        image's hypotheses, best first (by the consensus with rerank "consensus", else by
+        their scores)."""
+        self.check_decoding(decoding)
+        hypotheses = generate(self.decoder, annotations, decoding)
+        if decoding.rerank == "consensus" and self.consensus is not None:
+            captions = [[" ".join(self.words(h)) for h in hyps] for hyps in hypotheses]
+            scores = self.consensus.rerank(ConsensusIndex.pool(annotations), captions)
+            hypotheses = [[hyps[i] for i in sorted(range(len(hyps)), key=lambda i: -s[i])]
+                          for hyps, s in zip(hypotheses, scores, strict=True)]  # stable: ties
+            # keep the beam's order
+        return hypotheses
+
+    def check_decoding(self, decoding: DecodingConfig) -> None:
+        """Raise DecodingError for options this model cannot decode with."""
+        if decoding.rerank == "consensus" and self.consensus is None:
+            raise DecodingError("--rerank consensus needs a model with a consensus index; this "
+                                "one has none (`sat export MODEL OUT --consensus-root ...` adds "
+                                "one; `sat models` lists the models that have one)")
 
     @torch.no_grad()
     def interpolate_(self, other: CaptionModel, alpha: float) -> CaptionModel:

@@ -2,7 +2,8 @@
 
 Tensors are the CaptionModel's state dict (encoder included, so no download is needed at load
 time); the header's string metadata holds the format tag, the architecture (JSON), the default
-decoding settings (JSON) and the vocabulary (JSON word list).
+decoding settings (JSON) and the vocabulary (JSON word list). A model with a consensus index
+(consensus.py) adds its tensors under ``consensus.`` and its captions as JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from showattendtell.consensus import ConsensusIndex
 from showattendtell.decoder import DecoderConfig
 from showattendtell.decoding import DecodingConfig
 from showattendtell.encoder import EncoderConfig
@@ -25,6 +27,7 @@ from showattendtell.vocab import Vocabulary
 
 FORMAT = "showattendtell/caption-model"
 VERSION = "1"
+CONSENSUS_PREFIX = "consensus."
 
 
 class ModelFileError(UserError, ValueError):
@@ -60,6 +63,10 @@ def save_model(
         "vocab": model.vocab.to_json(),
         "info": json.dumps(info or {}),
     }
+    if model.consensus is not None:
+        tensors, description = model.consensus.to_file()
+        state.update({CONSENSUS_PREFIX + k: v for k, v in tensors.items()})
+        meta["consensus"] = json.dumps(description)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file(state, str(tmp), metadata=meta)
@@ -116,11 +123,14 @@ def _parse_header(path: Path, meta: dict[str, str]):
 def describe_model(path: str | Path) -> dict:
     """What `sat models` shows, from the header alone (fast: no weights are read)."""
     path = Path(path)
-    encoder, decoder, decoding, vocab, info = _parse_header(path, _read_header(path))
+    meta = _read_header(path)
+    encoder, decoder, decoding, vocab, info = _parse_header(path, meta)
+    consensus = json.loads(meta["consensus"]) if "consensus" in meta else None
     return {"attention": decoder.attention, "encoder": encoder.backbone,
             "input_size": encoder.input_size, "grid": encoder.grid,
             "feature_dim": encoder.feature_dim, "hidden_dim": decoder.hidden_dim,
-            "vocab_size": len(vocab), "decoding": decoding.to_dict(), "info": info}
+            "vocab_size": len(vocab), "decoding": decoding.to_dict(), "info": info,
+            "consensus_photos": len(consensus["references"]) if consensus else 0}
 
 
 def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
@@ -135,6 +145,13 @@ def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
         ) from None
     encoder, decoder, decoding, vocab, info = _parse_header(path, meta)
     model = CaptionModel(vocab, encoder, decoder, load_encoder_weights=False)
+    index = {k[len(CONSENSUS_PREFIX):]: state.pop(k) for k in list(state)
+             if k.startswith(CONSENSUS_PREFIX)}
+    if index or "consensus" in meta:
+        try:
+            model.consensus = ConsensusIndex.from_file(index, json.loads(meta["consensus"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFileError(f"{path}: damaged consensus index ({e})") from None
     expected = model.state_dict()
     if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in state):
         raise ModelFileError(f"{path}: the weights do not match the model it describes")

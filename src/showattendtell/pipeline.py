@@ -150,7 +150,7 @@ def caption_files(captioner: Captioner, paths: Sequence[str | Path],
     ``lanes`` batches in flight (``in_lanes``); image decoding overlaps with them in worker
     processes. Decoding options are checked first.
     """
-    captioner.decoding.with_overrides(**decoding)
+    captioner.check_decoding(**decoding)
 
     def caption(images: torch.Tensor) -> list[CaptionResult]:
         return captioner.caption_annotations(captioner.encode(images), **decoding)

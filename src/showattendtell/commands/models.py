@@ -47,7 +47,11 @@ def run(args: argparse.Namespace) -> int:
                     + (f", length penalty {dec['length_penalty']:g}"
                        if dec["length_penalty"] else "")
                     + (f", no repeated {dec['no_repeat_ngram']}-grams"
-                       if dec["no_repeat_ngram"] else ""))
+                       if dec["no_repeat_ngram"] else "")
+                    + (f", {dec['rerank']} reranking" if dec.get("rerank", "none") != "none"
+                       else "")
+                    + (f"; consensus index of {d['consensus_photos']} photos"
+                       if d["consensus_photos"] else ""))
         g = d["grid"]
         table.append((d["name"] + (" (default)" if d["default"] else ""), d["attention"],
                       f"{d['encoder']} {d['input_size']} px", f"{g}x{g}x{d['feature_dim']}",
