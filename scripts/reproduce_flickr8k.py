@@ -26,9 +26,13 @@ import yaml
 # exported to, which checkpoint, export options). Each stage's config starts from the model file
 # of the stage before it (model.init_from). The fine-tuning stages are exported as WiSE-FT
 # interpolations with the model they started from (`sat export --interpolate`; the model card
-# gives the measured alphas). Every export stores beam 3 as the default decoding; the hard model
-# captions from its own single most likely location per word (`--hard-mode argmax`) and is
-# scored that way and with the expected context (see inference_modes).
+# gives the measured alphas). Every export stores beam 3 as the default decoding unless its
+# options say otherwise (the last --beam-size wins); the hard model captions from its own single
+# most likely location per word (`--hard-mode argmax`) and is scored that way and with the
+# expected context (see inference_modes). The bundled models also carry a consensus index of
+# the training split (`--consensus-root`, "{root}" is this script's --root) and decode at beam 5
+# with `--rerank consensus` (consensus.py; the model card has the measurements).
+CONSENSUS = ["--consensus-root", "{root}", "--rerank", "consensus", "--beam-size", "5"]
 STAGES = (
     # soft attention, maximum likelihood, 9 epochs: the best epoch by dev CIDEr
     ("configs/flickr8k_lite2_soft.yaml", "flickr8k_lite2_soft_mle", "best", []),
@@ -36,12 +40,12 @@ STAGES = (
     # a word bigram (the model card: better on every dev metric, and no "on a bike on a bike")
     ("configs/flickr8k_lite2_soft_scst.yaml", "flickr8k_lite2_soft", "last",
      ["--interpolate", "models/flickr8k_lite2_soft_mle.safetensors", "--alpha", "0.4",
-      "--no-repeat-ngram", "2"]),
+      "--no-repeat-ngram", "2", *CONSENSUS]),
     # hard attention from its own sampled locations only (4 per caption, each against the mean
     # of the other 3), one epoch from the soft model, best dev CIDEr decoded with the argmax
     # location; decoded that way, without repeating a word bigram
     ("configs/flickr8k_lite2_hard_single.yaml", "flickr8k_lite2_hard", "best",
-     ["--hard-mode", "argmax", "--no-repeat-ngram", "2"]),
+     ["--hard-mode", "argmax", "--no-repeat-ngram", "2", *CONSENSUS]),
 )
 SCORED = ("flickr8k_lite2_soft", "flickr8k_lite2_hard")  # the models of the table
 BEAMS = (1, 3, 5)
@@ -71,7 +75,7 @@ def sat(*args: str) -> str:
 
 
 def train_and_export(config: str, name: str, which: str, export: list[str],
-                     extra: list[str]) -> Path:
+                     extra: list[str], root: str) -> Path:
     """Features (cached), training (resumed if interrupted), export of the ``which`` checkpoint
     (best by dev CIDEr, or last) to models/NAME.safetensors."""
     run_dir = Path(yaml.safe_load(Path(config).read_text())["run"]["dir"])
@@ -83,7 +87,8 @@ def train_and_export(config: str, name: str, which: str, export: list[str],
         sys.exit(f"no {which} checkpoint in {run_dir / 'checkpoints'}: did training run?")
     ckpt = ckpts[-1] if ckpts else run_dir / "checkpoints" / f"{which}-*.ckpt"
     model = Path("models") / f"{name}.safetensors"
-    sat("export", str(ckpt), str(model), "--half", "--beam-size", "3", *export)
+    sat("export", str(ckpt), str(model), "--half", "--beam-size", "3",
+        *(a.replace("{root}", root) for a in export))
     return model
 
 
@@ -152,7 +157,7 @@ def main() -> None:
             p.error("--skip-train needs --models")
         models = [Path(m) for m in args.models]
     else:
-        trained = [train_and_export(*stage, args.train_args) for stage in STAGES]
+        trained = [train_and_export(*stage, args.train_args, args.root) for stage in STAGES]
         if DRY_RUN:
             return
         models = [m for m in trained if m.stem in SCORED]
@@ -173,7 +178,7 @@ def main() -> None:
         coco_rows = {}
         for model in models:
             for mode in modes[model]:
-                best_beam = 3 if 3 in args.beams else args.beams[0]  # the models' default
+                best_beam = 5 if 5 in args.beams else args.beams[-1]  # the models' default
                 s = evaluate(model, "coco", args.coco_root, "val", best_beam, mode)
                 scores[f"COCO subset: {row_name(model, best_beam, mode)}"] = s
                 coco_rows[row_name(model, best_beam, mode)] = {k: 100 * v for k, v in s.items()}

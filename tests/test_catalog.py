@@ -53,7 +53,8 @@ def test_sat_models_lists_bundled_and_env_models(tiny_hard_model_file, monkeypat
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     for expected in ("flickr8k_lite2_soft (default)", "flickr8k_lite2_hard", "efficientnet_lite2",
-                     "260 px", "9x9x1280", "words", "beam 3", "hard mode argmax"):
+                     "260 px", "9x9x1280", "words", "beam 5", "hard mode argmax",
+                     "consensus reranking; consensus index of 6000 photos"):
         assert expected in out, expected
     monkeypatch.setenv("SAT_MODEL", str(tiny_hard_model_file))
     assert main(["models", "--json"]) == 0

@@ -33,3 +33,7 @@ def test_each_stage_starts_from_the_model_the_stage_before_exported():
     # the hard model captions from its own single locations, never interpolated with the soft
     assert exports[-1][exports[-1].index("--hard-mode") + 1] == "argmax"
     assert "--interpolate" not in exports[-1]
+    # the bundled models carry a consensus index of the training split and rerank with it
+    for export in exports[1:]:
+        assert export[export.index("--rerank") + 1] == "consensus"
+        assert export[export.index("--consensus-root") + 1] == "../shared/data/flickr8k"
