@@ -22,6 +22,7 @@ from showattendtell.decoding import (
     MAX_BEAM_SIZE,
     MAX_CAPTION_LENGTH,
     MAX_LENGTH_PENALTY,
+    RERANKERS,
 )
 
 from . import drawing, events
@@ -81,6 +82,12 @@ def build_app(service: CaptionService, examples: Sequence[Path] = (),
                                           maximum=MAX_CAPTION_LENGTH,
                                           label="No repeated n-grams of this size (0: allow)",
                                           elem_id="no-repeat-ngram")
+                    rerank = gr.Radio(list(RERANKERS), value=d.rerank,
+                                      label="Rerank the beam's captions",
+                                      info="consensus: the one that best agrees with the "
+                                           "captions of similar training photos",
+                                      visible=default.model.consensus is not None,
+                                      elem_id="rerank")
                 button = gr.Button("Caption", variant="primary", elem_id="caption-button")
                 gallery_examples = None
                 if examples:
@@ -114,10 +121,11 @@ def build_app(service: CaptionService, examples: Sequence[Path] = (),
         api_hard = gr.Dropdown(list(HARD_MODES), value=None, label="hard_mode", visible=False)
         api_penalty = gr.Number(None, label="length_penalty", visible=False)
         api_no_repeat = gr.Number(None, label="no_repeat_ngram", visible=False)
+        api_rerank = gr.Dropdown(list(RERANKERS), value=None, label="rerank", visible=False)
         api_out = gr.JSON(label="result", visible=False)
         api_button = gr.Button(visible=False)
 
-        inputs = [image, model, beam, length, hard_mode, penalty, no_repeat, scale]
+        inputs = [image, model, beam, length, hard_mode, penalty, no_repeat, rerank, scale]
         outputs = [status, caption, state, gallery, words, view, note, sheet, beams]
         run = dict(fn=partial(events.ui_caption, service), inputs=inputs, outputs=outputs,
                    preprocess=False, concurrency_limit=concurrency, concurrency_id="caption",
@@ -131,7 +139,7 @@ def build_app(service: CaptionService, examples: Sequence[Path] = (),
         image.change(events.clear_outputs, inputs=[image], outputs=outputs, preprocess=False,
                      queue=False, api_visibility="private")
         model.change(partial(events.model_controls, service), inputs=[model],
-                     outputs=[beam, length, hard_mode, penalty, no_repeat], queue=False,
+                     outputs=[beam, length, hard_mode, penalty, no_repeat, rerank], queue=False,
                      api_visibility="private")
         # .input, not .change: only a click. The caption events set the word list and the first
         # word's view themselves; a .change they set off could land after a later event had
@@ -149,7 +157,7 @@ def build_app(service: CaptionService, examples: Sequence[Path] = (),
                        api_visibility="private")
         api_button.click(partial(api_caption, service),
                          inputs=[image, api_model, api_beam, api_length, api_hard, api_penalty,
-                                 api_no_repeat],
+                                 api_no_repeat, api_rerank],
                          outputs=[api_out], api_name="caption", preprocess=False,
                          concurrency_limit=concurrency, concurrency_id="caption",
                          api_description=API_DESCRIPTION)

@@ -51,8 +51,8 @@ def caption_image(service: CaptionService, image: Any, model: str | None = None,
     """Decode an untrusted image, caption it, and return everything the UI and API show.
 
     ``image`` is a Gradio upload (dict with a ``path``), a file path, a data URL, bytes or a PIL
-    image. ``decoding``: beam_size, max_length, length_penalty, hard_mode, no_repeat_ngram
-    (None: the model's default), checked by DecodingConfig before the image is read. Raises a
+    image. ``decoding``: beam_size, max_length, length_penalty, hard_mode, no_repeat_ngram,
+    rerank (None: the model's default), checked by DecodingConfig before the image is read. Raises a
     UserError subclass with a one-line message for anything that is the caller's fault.
     """
     captioner = service.get(model)  # an unknown model fails before any decoding
@@ -65,12 +65,13 @@ def caption_image(service: CaptionService, image: Any, model: str | None = None,
 def api_caption(service: CaptionService, image: Any, model: str | None = None,
                 beam_size: float | None = None, max_length: float | None = None,
                 hard_mode: str | None = None, length_penalty: float | None = None,
-                no_repeat_ngram: float | None = None) -> dict[str, Any]:
+                no_repeat_ngram: float | None = None,
+                rerank: str | None = None) -> dict[str, Any]:
     """The /caption endpoint: JSON, or a gr.Error whose message the client sees. An option not
     given (None) is the model's default; a value out of range is an error, never a default."""
     try:
         return caption_image(service, image, model, beam_size=beam_size, max_length=max_length,
                              hard_mode=hard_mode, length_penalty=length_penalty,
-                             no_repeat_ngram=no_repeat_ngram).to_json()
+                             no_repeat_ngram=no_repeat_ngram, rerank=rerank).to_json()
     except UserError as e:
         raise gr.Error(str(e), print_exception=False) from None

@@ -56,7 +56,8 @@ def status_text(done: Captioned) -> str:
 def ui_caption(service: CaptionService, image: Any, model: str | None = None,
                beam_size: float | None = None, max_length: float | None = None,
                hard_mode: str | None = None, length_penalty: float | None = None,
-               no_repeat_ngram: float | None = None, scale: str = "word") -> UIOutputs:
+               no_repeat_ngram: float | None = None, rerank: str | None = None,
+               scale: str = "word") -> UIOutputs:
     """The UI event: status, caption, per-word state, word panels, word list, the first word's
     view and its scale note, the all-words sheet and the beams. Bad input becomes a status
     message (and one toast) and clears the previous photo's outputs; never an exception, so the
@@ -67,7 +68,8 @@ def ui_caption(service: CaptionService, image: Any, model: str | None = None,
         soft = service.get(model).attention_type != "hard"
         done = caption_image(service, image, model, beam_size=beam_size, max_length=max_length,
                              hard_mode=None if soft else hard_mode,
-                             length_penalty=length_penalty, no_repeat_ngram=no_repeat_ngram)
+                             length_penalty=length_penalty, no_repeat_ngram=no_repeat_ngram,
+                             rerank=rerank if service.get(model).model.consensus else None)
     except UserError as e:
         gr.Warning(str(e), duration=TOAST_SECONDS)
         what = "this file" if isinstance(e, ImageError) else "the image"
@@ -95,12 +97,14 @@ def clear_outputs(image: Any) -> UIOutputs:
 
 def model_controls(service: CaptionService, name: str | None) -> tuple[Any, ...]:
     """The decoding controls set to a model's defaults: beam size, maximum length, hard mode
-    (shown for hard-attention models only), length penalty, no-repeat n-gram size."""
+    (shown for hard-attention models only), length penalty, no-repeat n-gram size, reranking
+    (shown for models with a consensus index only)."""
     captioner = service.get(name)
     d: DecodingConfig = captioner.decoding
     return (gr.update(value=d.beam_size), gr.update(value=d.max_length),
             gr.update(value=d.hard_mode, visible=captioner.attention_type == "hard"),
-            gr.update(value=d.length_penalty), gr.update(value=d.no_repeat_ngram))
+            gr.update(value=d.length_penalty), gr.update(value=d.no_repeat_ngram),
+            gr.update(value=d.rerank, visible=captioner.model.consensus is not None))
 
 
 def show_word(state: dict | None, index: int | None, scale: str = "word") -> tuple[Any, str]:

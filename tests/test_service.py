@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from showattendtell.catalog import BUNDLED_DIR, ModelNotFound
@@ -296,7 +297,9 @@ def test_decoding_options_are_checked_never_defaulted(service: CaptionService):
                         ({"max_length": MAX_CAPTION_LENGTH + 1}, "maximum length"),
                         ({"hard_mode": "best"}, "hard-attention mode"),
                         ({"length_penalty": -1}, "length penalty"),
-                        ({"no_repeat_ngram": "2"}, "no-repeat")]:
+                        ({"no_repeat_ngram": "2"}, "no-repeat"),
+                        ({"rerank": "best"}, "reranking"),
+                        ({"rerank": "consensus"}, "consensus index")]:  # it has none
         with pytest.raises(DecodingError, match=message):
             caption_image(service, str(photo(0)), hard, **kw)
         with pytest.raises(gr.Error, match=message):  # the API client gets the message
@@ -505,7 +508,9 @@ def test_decoding_controls_follow_the_model(service: CaptionService):
     assert props["beam-size"]["maximum"] == MAX_BEAM_SIZE  # decoding.py's limits
     assert props["max-length"]["maximum"] == MAX_CAPTION_LENGTH
     assert props["hard-mode"]["visible"] is False  # the default model is soft
-    beam, length, mode, penalty, no_repeat = events.model_controls(service, hard)
+    assert props["rerank"]["visible"] is False  # neither model has a consensus index
+    beam, length, mode, penalty, no_repeat, rerank = events.model_controls(service, hard)
+    assert rerank["visible"] is False and rerank["value"] == "none"
     assert mode["visible"] is True and mode["value"] == "expectation"  # the stored mode
     assert (beam["value"], length["value"]) == (3, 8)
     assert events.model_controls(service, soft)[2]["visible"] is False
@@ -839,3 +844,32 @@ def test_serve_takes_the_precision_option(tiny_model_file):
         assert service.caption(Image.new("RGB", (64, 64), (200, 30, 30))).words
     finally:
         service.close()
+
+
+def test_a_model_with_a_consensus_index_reranks_in_the_ui_and_the_api(tiny_model_file, tmp_path):
+    """The rerank control appears for a model with an index and starts at its stored value;
+    the API's rerank option turns it off or on per request."""
+    from showattendtell.consensus import ConsensusIndex
+    from showattendtell.decoding import DecodingConfig
+    from showattendtell.model_file import read_model, save_model
+
+    model, _, _ = read_model(tiny_model_file)
+    refs = [["a red circle"], ["a blue square"], ["two green circles"], ["a red square"]]
+    model.consensus = ConsensusIndex(torch.randn(4, model.encoder.config.feature_dim), refs, 2)
+    path = save_model(model, tmp_path / "indexed.safetensors",
+                      DecodingConfig(beam_size=3, rerank="consensus"))
+    svc = load_service([path, tiny_model_file], device="cpu")
+    try:
+        indexed, plain = svc.names
+        props = {c["props"].get("elem_id"): c["props"]
+                 for c in build_app(svc).config["components"]}
+        assert props["rerank"]["visible"] is True and props["rerank"]["value"] == "consensus"
+        assert events.model_controls(svc, plain)[-1]["visible"] is False
+        for choice in ("none", "consensus", None):
+            d = api_caption(svc, str(photo(0)), indexed, rerank=choice)
+            assert d["decoding"]["rerank"] == (choice or "consensus") and d["caption"]
+        # the UI's control (set for the first model) is ignored for a model without an index
+        status = events.ui_caption(svc, str(photo(0)), plain, rerank="consensus")[0]
+        assert "Cannot caption" not in status
+    finally:
+        svc.close()
