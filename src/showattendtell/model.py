@@ -38,13 +38,18 @@ class CaptionModel(nn.Module):
         their scores)."""
         self.check_decoding(decoding)
         hypotheses = generate(self.decoder, annotations, decoding)
-        if decoding.rerank == "consensus" and self.consensus is not None:
-            captions = [[" ".join(self.words(h)) for h in hyps] for hyps in hypotheses]
-            scores = self.consensus.rerank(ConsensusIndex.pool(annotations), captions)
-            hypotheses = [[hyps[i] for i in sorted(range(len(hyps)), key=lambda i: -s[i])]
-                          for hyps, s in zip(hypotheses, scores, strict=True)]  # stable: ties
-            # keep the beam's order
+        if decoding.rerank == "consensus" and decoding.beam_size > 1:  # greedy: nothing to pick
+            hypotheses = self._rerank(annotations, hypotheses)
         return hypotheses
+
+    def _rerank(self, annotations: torch.Tensor,
+                hypotheses: list[list[Hypothesis]]) -> list[list[Hypothesis]]:
+        """Each image's hypotheses by their consensus score, highest first (consensus.py);
+        the sort is stable, so ties keep the beam's order."""
+        captions = [[" ".join(self.words(h)) for h in hyps] for hyps in hypotheses]
+        scores = self.consensus.rerank(ConsensusIndex.pool(annotations), captions)
+        return [[hyps[i] for i in sorted(range(len(hyps)), key=lambda i: -s[i])]
+                for hyps, s in zip(hypotheses, scores, strict=True)]
 
     def check_decoding(self, decoding: DecodingConfig) -> None:
         """Raise DecodingError for options this model cannot decode with."""
