@@ -23,11 +23,12 @@ from showattendtell.model_file import read_model
 class CaptionResult:
     caption: str
     words: list[str]
-    score: float  # what beams are ranked by (log_prob, length-normalised when asked)
+    score: float  # the beam's score (log_prob, length-normalised when asked); beams are
+    # ranked by it, or by their consensus with --rerank consensus (consensus.py)
     log_prob: float
     attention: np.ndarray  # (len(words), grid, grid): where the model looked for each word
     locations: list[tuple[int, int]] | None  # hard attention: (row, col) chosen for each word
-    beams: list[tuple[str, float]]  # the top captions of the beam with their scores
+    beams: list[tuple[str, float]]  # the beam's captions with their scores, best first
     warning: str | None = None  # e.g. a 1x1 photo: captioned, but the caption is a guess
 
     def to_dict(self, with_attention: bool = False) -> dict:
