@@ -164,8 +164,8 @@ def load_service(specs: Sequence[str | Path] | None = None, device: str = "auto"
             name = "+".join(f"{p.parent.name}/{p.stem}" for p in paths)
         captioner.name = name
         captioner.decoding = captioner.check_decoding(**overrides)
-        if captioner.model.consensus is not None:  # its CIDEr-D tables (about 1.5 s) now, not
-            captioner.model.consensus.tables  # on the first request  # noqa: B018
+        if captioner.model.consensus is not None:  # its CIDEr-D tables (about 1.5 s) now,
+            captioner.model.consensus.prepare()  # not on the first request
         captioners[name] = captioner
         log.info("loaded %s (%s attention) on %s", name, captioner.attention_type,
                  captioner.device)

@@ -108,6 +108,10 @@ class ConsensusIndex:
 
     @property
     def tables(self) -> dict:
+        return self.prepare()
+
+    def prepare(self) -> dict:
+        """Build the CIDEr-D tables now if they are not built (once; thread-safe)."""
         with self._lock:
             if self._tables is None:
                 self._tables = self._build()
