@@ -10,6 +10,7 @@ from PIL import Image
 
 from showattendtell.decoding import DecodingConfig
 from showattendtell.errors import UserError
+from showattendtell.images import full_size
 from showattendtell.inference import CaptionResult, finite_or_none
 
 from .uploads import read_upload
@@ -30,7 +31,7 @@ class Captioned:
     def to_json(self) -> dict[str, Any]:
         """What the /caption endpoint returns: ``CaptionResult.to_dict(with_attention=True)``
         (caption, words, score, log_prob, attention, warning when set) plus the beams, the
-        model, the grid, the hard-attention locations (None without) and the image size."""
+        model, the grid, the hard-attention locations (None without) and the photo's size."""
         r = self.result
         # float64 first: float32 weights rounded to 5 decimals print as 0.30799999833106995
         d = r.to_dict(with_attention=True)
@@ -40,7 +41,7 @@ class Captioned:
             attention_type=self.attention_type,
             grid=int(r.attention.shape[-1]),
             locations=d.get("locations"),
-            image_size=list(self.image.size),
+            image_size=list(full_size(self.image)),  # the photo's, even if decoded reduced
             decoding=self.decoding.to_dict(),
         )
         return d
@@ -57,7 +58,7 @@ def caption_image(service: CaptionService, image: Any, model: str | None = None,
     """
     captioner = service.get(model)  # an unknown model fails before any decoding
     config = service.decoding(captioner.name, **decoding)  # so does an option out of range
-    img = read_upload(image, service.max_upload_bytes)
+    img = read_upload(image, service.max_upload_bytes, captioner.input_size)
     result = service.caption(img, captioner.name, config)
     return Captioned(img, result, captioner.name, captioner.attention_type, config)
 

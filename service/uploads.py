@@ -46,14 +46,16 @@ def upload_source(upload: Any, max_bytes: int | None = None) -> str | bytes:
     raise ServiceError(NO_IMAGE)
 
 
-def read_upload(upload: Any, max_bytes: int | None = None) -> Image.Image:
+def read_upload(upload: Any, max_bytes: int | None = None,
+                min_size: int | None = None) -> Image.Image:
     """Decode an upload (a Gradio file dict, a path, a data URL, bytes or a PIL image) to an
-    upright RGB image. An ImageError names the file as the user knows it, not by its path on
-    the server."""
+    upright RGB image (a large JPEG at a reduced size no smaller than ``min_size``, as
+    ``open_image`` does for `sat caption`: the same encoder input from both). An ImageError
+    names the file as the user knows it, not by its path on the server."""
     source = (upload if isinstance(upload, (bytes, Image.Image))
               else upload_source(upload, max_bytes))
     try:
-        return open_image(source)
+        return open_image(source, min_size=min_size)
     except ImageError as e:
         if not isinstance(source, str):
             raise

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from showattendtell.images import ImageError, list_images, open_image, preprocess
+from showattendtell.images import ImageError, full_size, list_images, open_image, preprocess
 
 
 def photo(w=40, h=20) -> Image.Image:
@@ -28,6 +28,53 @@ def test_exif_rotation_is_applied():
     img = open_image(save(photo(40, 20), "JPEG", exif=exif, quality=95))
     assert img.size == (20, 40)
     assert img.getpixel((10, 5))[0] > 200 and img.getpixel((10, 35))[0] < 60
+
+
+@pytest.mark.parametrize(("w", "h", "fmt", "size"), [
+    (2000, 1500, "JPEG", (500, 375)),  # 1/4: both sides stay >= 260 (1/8 would not)
+    (4032, 3024, "JPEG", (504, 378)),  # a 12-megapixel phone photo: 1/8
+    (3000, 400, "JPEG", (3000, 400)),  # the short side is under 2 x 260: decoded whole
+    (500, 375, "JPEG", (500, 375)),  # Flickr8k's and COCO's sizes: as before
+    (2000, 1500, "PNG", (2000, 1500)),  # PNG has no reduced decoding
+])
+def test_large_jpegs_decode_at_a_reduced_size_no_smaller_than_the_encoder_input(w, h, fmt,
+                                                                                size):
+    data = save(photo(w, h), fmt, quality=90) if fmt == "JPEG" else save(photo(w, h), fmt)
+    assert open_image(data).size == (w, h)  # no min_size: full size
+    img = open_image(data, min_size=260)
+    assert img.size == size and img.mode == "RGB" and full_size(img) == (w, h)
+    assert img.getpixel((size[0] // 4, size[1] // 2))[0] > 200  # the red half
+    assert img.getpixel((size[0] * 3 // 4, size[1] // 2))[0] < 60
+    # the encoder input barely moves: the mean absolute change is a fraction of a grey level
+    full, reduced = preprocess(open_image(data), 260), preprocess(img, 260)
+    assert (full - reduced).abs().mean() < 0.02  # normalised units: about 1 grey level
+
+
+def test_a_reduced_jpeg_stays_upright():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise on display
+    img = open_image(save(photo(2000, 1000), "JPEG", exif=exif, quality=95), min_size=260)
+    assert img.size == (500, 1000)  # 1/2 of 2000 x 1000, then turned upright
+    assert full_size(img) == (1000, 2000)
+    assert img.getpixel((img.width // 2, img.height // 8))[0] > 200
+    assert img.getpixel((img.width // 2, img.height * 7 // 8))[0] < 60
+
+
+def test_every_entry_point_feeds_the_encoder_the_same_reduced_photo(tiny_model_file, tmp_path):
+    from showattendtell.service.uploads import read_upload
+
+    from showattendtell.images import load_image
+    from showattendtell.inference import load_model
+
+    path = tmp_path / "big.jpg"
+    path.write_bytes(save(photo(2400, 1800), "JPEG", quality=90))
+    captioner = load_model(tiny_model_file, "cpu")
+    s = captioner.input_size
+    batch = load_image(str(path), s).tensor  # sat caption / evaluate: the pipeline's workers
+    api = captioner.preprocess(str(path))  # the Python API
+    service = preprocess(read_upload(str(path), None, s), s)  # the web service
+    assert torch.equal(batch, api) and torch.equal(batch, service)
+    assert open_image(str(path), min_size=s).size != (2400, 1800)
 
 
 @pytest.mark.parametrize("make", [

@@ -30,12 +30,17 @@ class ImageError(UserError, ValueError):
 
 
 def open_image(
-    source: str | Path | bytes | Image.Image, max_pixels: int = MAX_PIXELS
+    source: str | Path | bytes | Image.Image, max_pixels: int = MAX_PIXELS,
+    min_size: int | None = None,
 ) -> Image.Image:
     """Decode a file, bytes or PIL image to an upright 8-bit RGB image.
 
     Handles EXIF orientation, the first frame of animations, CMYK, 16-bit greyscale and
-    transparency (composited on white). Anything else raises ImageError.
+    transparency (composited on white). Anything else raises ImageError. ``min_size``: a JPEG
+    may be decoded at 1/2, 1/4 or 1/8 of its size as long as both sides stay >= min_size
+    (libjpeg's DCT scaling, PIL's ``draft``, as ``Image.thumbnail`` does): a 12-megapixel
+    photo for a 260 px encoder decodes in 12.5 ms instead of 105 (one core); photos under
+    twice min_size on a side (COCO's, Flickr's) decode as before.
     """
     if isinstance(source, Image.Image):
         img = source
@@ -66,14 +71,28 @@ def open_image(
                 f"{name}: {img.width}x{img.height} is too large (limit {max_pixels:,} pixels); "
                 "resize it first"
             )
+        full_size = img.size
         try:
             img.seek(0)  # first frame of an animated GIF/WebP/TIFF
+            if min_size:
+                img.draft(None, (min_size, min_size))  # a no-op but for JPEG
             img.load()
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             raise ImageError(f"{name}: the image data is corrupt or truncated ({e})") from None
+        if img.size != full_size:  # decoded reduced: keep the photo's own size, upright
+            upright = full_size
+            with contextlib.suppress(Exception):
+                if img.getexif().get(0x0112) in (5, 6, 7, 8):  # turned a quarter
+                    upright = full_size[::-1]
+            img.info["full_size"] = upright
     with contextlib.suppress(Exception):  # a broken EXIF block: keep the pixels as stored
         img = ImageOps.exif_transpose(img)
     return _to_rgb(img)
+
+
+def full_size(img: Image.Image) -> tuple[int, int]:
+    """The photo's upright size in pixels, also when ``open_image`` decoded it reduced."""
+    return tuple(img.info.get("full_size", img.size))
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -198,7 +217,7 @@ def load_image(path: str, input_size: int, index: int = 0,
     never raises: a bad file gives a LoadedImage with an error (a decoder bug on one file must
     not stop a run over thousands)."""
     try:
-        img = open_image(path)
+        img = open_image(path, min_size=input_size)
         x = preprocess(img, input_size) if normalised else resize(img, input_size)
         return LoadedImage(index, path, tensor=x, warning=image_warning(img))
     except ImageError as e:

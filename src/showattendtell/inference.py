@@ -105,7 +105,7 @@ class Captioner:
             return self.model.encoder(batch.to(self.device))
 
     def preprocess(self, image: str | Path | bytes | Image.Image) -> torch.Tensor:
-        return preprocess(open_image(image), self.input_size)
+        return preprocess(open_image(image, min_size=self.input_size), self.input_size)
 
     def check_decoding(self, **decoding) -> DecodingConfig:
         """The stored decoding with these overrides; a DecodingError if one is out of range or
@@ -147,7 +147,7 @@ class Captioner:
         rerank.
         """
         self.check_decoding(**decoding)  # bad options fail before any work
-        decoded = [open_image(im) for im in images]
+        decoded = [open_image(im, min_size=self.input_size) for im in images]
         batch = torch.stack([preprocess(im, self.input_size) for im in decoded])
         results = self.caption_batch(batch, **decoding)
         for img, result in zip(decoded, results, strict=True):
