@@ -83,6 +83,10 @@ def word_panels(image: Image.Image, result: CaptionResult, size: int = 224,
             for grid, loc in zip(result.attention, locs, strict=True)]
 
 
+SHEET_SOURCE_SIZE = 5 * (200 + 8)  # the widest a caption sheet shows the photo (5 panels of
+# 200 px and their gaps): `sat caption --overlays` decodes photos no smaller than this
+
+
 def caption_sheet(image: Image.Image, result: CaptionResult, panel: int = 200,
                   columns: int = 5) -> Image.Image:
     """The image and its caption on top, then a grid of word panels labelled with each word."""

@@ -93,10 +93,11 @@ def overlay_name(path: str) -> str:
 
 def write_overlay(directory: Path, rec: Record) -> None:
     from showattendtell.images import open_image
-    from showattendtell.overlay import caption_sheet
+    from showattendtell.overlay import SHEET_SOURCE_SIZE, caption_sheet
 
-    assert rec.result is not None
-    caption_sheet(open_image(rec.path), rec.result).save(directory / overlay_name(rec.path))
+    assert rec.result is not None  # a 12-megapixel JPEG decodes at half size: 4x fewer pixels
+    photo = open_image(rec.path, min_size=SHEET_SOURCE_SIZE)
+    caption_sheet(photo, rec.result).save(directory / overlay_name(rec.path))
 
 
 # --------------------------------------------------------------------------- the command
