@@ -118,6 +118,16 @@ def test_the_index_travels_in_the_model_file(tiny_model_file, tmp_path):
                                atol=2e-3, rtol=0)
     assert describe_model(out)["consensus_photos"] == 6
     assert set(again.state_dict()) == set(model.state_dict())  # the index is no weight
+    from safetensors.torch import load_file
+
+    stored_rows = load_file(out)["consensus.embeddings"]
+    assert stored_rows.dtype == torch.int8  # a quarter of float32, scales per row beside
+    # an index stored as float16 (files written before the int8 format) loads the same way
+    tensors, description = model.consensus.to_file()
+    as_half = ConsensusIndex.from_file({"embeddings": model.consensus.embeddings.half()},
+                                       description)
+    torch.testing.assert_close(as_half.embeddings, model.consensus.embeddings, atol=2e-3, rtol=0)
+    assert set(tensors) == {"embeddings", "scales"}
 
 
 def test_export_builds_an_index_and_caption_uses_it(tiny_model_file, synthetic_flickr, tmp_path,

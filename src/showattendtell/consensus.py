@@ -179,11 +179,17 @@ class ConsensusIndex:
     # -- in a model file ----------------------------------------------------------------------
 
     def to_file(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, JSON-able description) for model_file.save_model."""
-        return ({"embeddings": self.embeddings.half().contiguous()},
+        """(tensors, JSON-able description) for model_file.save_model. The unit rows are stored
+        as int8 with a scale per row: half of float16's 15 MB for Flickr8k's 6000 x 1280, and
+        99.5 % of the dev photos' 60 neighbours unchanged (model card)."""
+        scales = self.embeddings.abs().amax(1).clamp_min(1e-12) / 127  # (N,)
+        codes = torch.round(self.embeddings / scales[:, None]).to(torch.int8)  # (N, D)
+        return ({"embeddings": codes.contiguous(), "scales": scales.float().contiguous()},
                 {"neighbours": self.neighbours, "references": self.references})
 
     @classmethod
     def from_file(cls, tensors: dict[str, torch.Tensor], description: dict) -> ConsensusIndex:
-        return cls(tensors["embeddings"], description["references"],
-                   int(description["neighbours"]))
+        embeddings = tensors["embeddings"]
+        if embeddings.dtype == torch.int8:
+            embeddings = embeddings.float() * tensors["scales"].float()[:, None]
+        return cls(embeddings, description["references"], int(description["neighbours"]))
