@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from synthetic import make_example
 
-from showattendtell.catalog import BUNDLED_DIR, ModelNotFound, bundled_models, resolve_model
+from showattendtell.catalog import ModelNotFound, bundled_models, resolve_model
 from showattendtell.cli import main
 from showattendtell.inference import load_model
 
@@ -71,9 +71,3 @@ def test_a_missing_sat_model_file_is_named(monkeypatch, tmp_path):
     with pytest.raises(ModelNotFound, match=r"\$SAT_MODEL is .*gone.safetensors"):
         load_model(None)
 
-
-def test_the_bundled_files_stay_within_100_mb_together():
-    """Issue #18's size bound for what every install downloads (weights + consensus index)."""
-    files = sorted(BUNDLED_DIR.glob("*.safetensors"))
-    assert len(files) == 2
-    assert sum(f.stat().st_size for f in files) <= 100 * 10**6
