@@ -122,6 +122,8 @@ class ConsensusIndex:
         t = self.tables
         photos = np.asarray(photos, np.int64)
         rows = _ranges(t["starts"][photos], t["starts"][photos + 1])  # their captions, (R,)
+        if not len(rows):  # photos without captions: no opinion, the beam's order stands
+            return np.zeros(len(candidates))
         # the candidates' n-grams: tf-idf over the ones some training caption has (U), and the
         # norms over all of them (an n-gram no training caption has gets the largest idf)
         counts = [ngram_counts(c.split()) for c in candidates]
