@@ -65,11 +65,12 @@ def ui_caption(service: CaptionService, image: Any, model: str | None = None,
     if image is None:
         return (PROMPT, *EMPTY)
     try:
-        soft = service.get(model).attention_type != "hard"
+        captioner = service.get(model)
+        soft = captioner.attention_type != "hard"
         done = caption_image(service, image, model, beam_size=beam_size, max_length=max_length,
                              hard_mode=None if soft else hard_mode,
                              length_penalty=length_penalty, no_repeat_ngram=no_repeat_ngram,
-                             rerank=rerank if service.get(model).model.consensus else None)
+                             rerank=rerank if captioner.model.consensus else None)
     except UserError as e:
         gr.Warning(str(e), duration=TOAST_SECONDS)
         what = "this file" if isinstance(e, ImageError) else "the image"

@@ -76,11 +76,14 @@ class ConsensusIndex:
         ids: dict[tuple, int] = {}
         df: list[int] = []
         rows: list[tuple[np.ndarray, np.ndarray]] = []  # per caption: (n-gram ids, counts)
+        lengths: list[int] = []  # per caption: its bigrams, as pycocoevalcap counts its length
         starts = [0]  # photo i's captions are rows starts[i]:starts[i + 1]
         for captions in self.references:
             seen: set[int] = set()
             for caption in captions:
-                counts = ngram_counts(caption.split())
+                words = caption.split()
+                lengths.append(max(len(words) - 1, 0))
+                counts = ngram_counts(words)
                 row_ids = np.fromiter((ids.setdefault(g, len(ids)) for g in counts), np.int64,
                                       len(counts))
                 rows.append((row_ids, np.fromiter(counts.values(), np.float64, len(counts))))
@@ -100,15 +103,9 @@ class ConsensusIndex:
         norms = np.zeros((len(rows), ORDERS))  # (R, 4) per caption and order
         np.add.at(norms, (np.repeat(np.arange(len(rows)), np.diff(ptr)), order[flat_ids]),
                   values ** 2)
-        lengths = np.array([max(len(c.split()) - 1, 0) for caps in self.references
-                            for c in caps], np.float64)  # bigrams, as pycocoevalcap counts
         return {"ids": ids, "idf": idf, "log_n": log_n, "order": order, "ptr": ptr,
                 "flat_ids": flat_ids, "values": values, "norms": np.sqrt(norms),
-                "lengths": lengths, "starts": np.asarray(starts)}
-
-    @property
-    def tables(self) -> dict:
-        return self.prepare()
+                "lengths": np.asarray(lengths, np.float64), "starts": np.asarray(starts)}
 
     def prepare(self) -> dict:
         """Build the CIDEr-D tables now if they are not built (once; thread-safe)."""
@@ -119,7 +116,7 @@ class ConsensusIndex:
 
     def cider_d(self, candidates: Sequence[str], photos: Sequence[int]) -> np.ndarray:
         """CIDEr-D (x10) of each candidate against all captions of the training ``photos``."""
-        t = self.tables
+        t = self.prepare()
         photos = np.asarray(photos, np.int64)
         rows = _ranges(t["starts"][photos], t["starts"][photos + 1])  # their captions, (R,)
         if not len(rows):  # photos without captions: no opinion, the beam's order stands

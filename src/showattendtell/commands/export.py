@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from showattendtell.cli_common import add_decoding_args, decoding_overrides
+from showattendtell.data.datasets import DATASETS
 
 
 def add_parser(sub) -> None:
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
                    help="add an index of this dataset's photos and captions (the training "
                         "split: the photos whose captions the model learnt from)")
     g.add_argument("--consensus-dataset", default="flickr8k",
-                   choices=("flickr8k", "karpathy", "coco"), help="its format (default flickr8k)")
+                   choices=DATASETS, help="its format (default flickr8k)")
     g.add_argument("--consensus-split", default="train", help="its split (default train)")
     g.add_argument("--consensus-neighbours", type=int, default=None, metavar="K",
                    help="training photos consulted for each photo (default 60)")
@@ -74,11 +75,7 @@ def run(args: argparse.Namespace) -> int:
             args.feature_cache, args.consensus_neighbours)
         info.update(consensus=f"{args.consensus_dataset} {args.consensus_split} "
                               f"({len(model.consensus.references)} photos)")
-    if decoding.rerank == "consensus" and model.consensus is None:
-        from showattendtell.decoding import DecodingError
-
-        raise DecodingError("--rerank consensus needs a consensus index: add --consensus-root "
-                            "DIR (the training set's photos and captions)")
+    model.check_decoding(decoding)  # e.g. --rerank consensus without an index
     path = save_model(model, args.output, decoding, half=args.half, info=info)
     print(f"wrote {path}")
     return 0

@@ -48,8 +48,7 @@ def run(args: argparse.Namespace) -> int:
                        if dec["length_penalty"] else "")
                     + (f", no repeated {dec['no_repeat_ngram']}-grams"
                        if dec["no_repeat_ngram"] else "")
-                    + (f", {dec['rerank']} reranking" if dec.get("rerank", "none") != "none"
-                       else "")
+                    + (f", {dec['rerank']} reranking" if dec["rerank"] != "none" else "")
                     + (f"; consensus index of {d['consensus_photos']} photos"
                        if d["consensus_photos"] else ""))
         g = d["grid"]
