@@ -3,8 +3,10 @@
 Measures what `sat caption` does (worker processes decoding files, batched encoder, batched
 greedy / beam-3 decoding, JSON lines written) and what the CNN alone costs on the same images
 already in memory, so the ratio says how much loading, decoding and writing add on top of it.
-Warm-up first, then several rounds, each timing greedy, beam 3 and the encoder alone one after
-the other (so that a change in the machine's load hits all three alike); medians are reported.
+Warm-up first, then several rounds, each timing the encoder alone, greedy, beam 3 and the
+encoder alone again one after the other (so that a change in the machine's load hits all of
+them alike; the reference is timed twice a round because it moves more than the pipeline, see
+the README); medians are reported.
 The last line of output is one JSON object, for scripts. ``--profile`` adds where the time of
 one greedy and one beam-3 run goes (image decoding in the workers, encoder, decoder steps,
 search bookkeeping, results, JSON lines, waiting), so that the gap to the encoder can be
@@ -214,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                     choices=("cpu", "cuda"))
     ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                     help="as sat caption's default")
-    ap.add_argument("--workers", type=int, default=default_workers())
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="image-decoding processes (default: sat caption's for the device)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed rounds; medians are reported")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N images")
     ap.add_argument("--latency-images", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -235,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     captioner = load_model(args.model, args.device, args.precision)
     dev = captioner.device
     lanes = default_lanes(dev) if args.lanes is None else args.lanes
+    if args.workers is None:
+        args.workers = default_workers(dev)
 
     # warm-up: worker start, allocator, kernels (cuDNN autotuning on a GPU)
     warm = paths[: args.batch_size]
@@ -247,14 +253,17 @@ def main(argv: list[str] | None = None) -> int:
     batches = [torch.stack(tensors[i: i + args.batch_size]).to(dev)
                for i in range(0, len(tensors), args.batch_size)]
     encoder_alone(captioner, batches[:2], lanes)
-    timed = [lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1, lanes),
+    timed = [lambda: encoder_alone(captioner, batches),
+             lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1, lanes),
              lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 3, lanes),
              lambda: encoder_alone(captioner, batches)]
     if lanes > 1:  # in 1 lane it is the same measurement as the one before
         timed.append(lambda: encoder_alone(captioner, batches, lanes))
+    # each round: encoder, greedy, beam 3, encoder[, encoder in lanes]
     rounds = [tuple(rate(fn, dev) for fn in timed) for _ in range(args.repeats)]
-    greedy, beam3, encoder, *rest = (statistics.median(r) for r in zip(*rounds, strict=True))
-    encoder_lanes = rest[0] if rest else encoder
+    greedy, beam3 = (statistics.median(r[i] for r in rounds) for i in (1, 2))
+    encoder = statistics.median(x for r in rounds for x in (r[0], r[3]))
+    encoder_lanes = statistics.median(r[4] for r in rounds) if lanes > 1 else encoder
     profiles = {}
     if args.profile:
         profiles = {name: profile_run(captioner, paths, args.batch_size, args.workers, beam)
@@ -284,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_beam3_to_encoder": round(beam3 / encoder, 3),
         "ratio_greedy_to_encoder_in_lanes": round(greedy / encoder_lanes, 3),
         "ratio_beam3_to_encoder_in_lanes": round(beam3 / encoder_lanes, 3),
-        "rounds_images_per_s": [[round(x, 2) for x in r] for r in rounds],
+        "rounds_images_per_s": [[round(x, 2) for x in r] for r in rounds],  # as in ``timed``
+        "encoder_images_per_s_min_max": [round(min(x for r in rounds for x in (r[0], r[3])), 2),
+                                         round(max(x for r in rounds for x in (r[0], r[3])), 2)],
         **peak_memory_mb(dev),
         **({"profile_ms_per_image": profiles, "decode_ms_per_image_one_core": round(decode_ms, 2)}
            if profiles else {}),
@@ -296,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
          f"{result['latency_p50_ms']} / {result['latency_p95_ms']} ms"),
         ("batch, greedy", f"{result['images_per_s_greedy']} img/s"),
         ("batch, beam 3", f"{result['images_per_s_beam3']} img/s"),
-        ("encoder alone", f"{result['encoder_images_per_s']} img/s"),
+        ("encoder alone (median, min-max)",
+         f"{result['encoder_images_per_s']} img/s, "
+         f"{'-'.join(map(str, result['encoder_images_per_s_min_max']))}"),
         ("greedy / encoder", f"{result['ratio_greedy_to_encoder']:.0%}"),
         ("beam 3 / encoder", f"{result['ratio_beam3_to_encoder']:.0%}"),
     ]
@@ -318,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['model']} ({result['input_size']} px) on {result['device']}, "
           f"{len(paths)} images, batch {args.batch_size}, {args.workers} workers, {lanes} lanes, "
           f"precision {args.precision}, "
-          f"median of {args.repeats}, load average {result['load_average']}")
+          f"medians of {args.repeats} rounds, load average {result['load_average']}")
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")

@@ -9,9 +9,10 @@ import pytest
 import torch
 from synthetic import write_photos
 
+from showattendtell import pipeline
 from showattendtell.images import batch_indices
 from showattendtell.inference import load_model
-from showattendtell.pipeline import caption_files, encode_files, in_lanes
+from showattendtell.pipeline import caption_files, default_workers, encode_files, in_lanes
 from showattendtell.progress import Progress
 
 
@@ -33,6 +34,26 @@ def test_caption_files_keeps_every_input_in_order(tiny_model_file, tmp_path):
     alone = [r.caption for r in captioner.caption([p for p in paths if "bad" not in p],
                                                   beam_size=1)]
     assert [r.result.caption for r in records if r.result] == alone  # batches change nothing
+
+
+@pytest.mark.parametrize(("cores", "cpu", "gpu"), [(1, 0, 1), (2, 0, 2), (8, 0, 4), (16, 2, 4),
+                                                   (64, 4, 4)])
+def test_images_decode_in_this_process_on_a_cpu_and_in_workers_for_a_gpu(monkeypatch, cores,
+                                                                          cpu, gpu):
+    monkeypatch.setattr(pipeline.os, "cpu_count", lambda: cores)
+    assert default_workers("cpu") == cpu and default_workers(torch.device("cuda")) == gpu
+
+
+def test_caption_files_decodes_in_this_process_by_default_on_a_cpu(tiny_model_file, tmp_path,
+                                                                     monkeypatch):
+    seen = []
+    real = pipeline.load_batches
+    monkeypatch.setattr(pipeline, "load_batches",
+                        lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
+    paths = write_photos(tmp_path, 3)
+    records = list(caption_files(load_model(tiny_model_file, "cpu"), paths, batch_size=2,
+                                 beam_size=1))
+    assert seen == [default_workers("cpu")] and [r.path for r in records] == paths
 
 
 def test_encode_files_gives_the_grids_of_the_decoded_inputs(tiny_model_file, tmp_path):

@@ -59,8 +59,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help=f"images per batch (default {DEFAULT_BATCH_SIZE})")
     p.add_argument("--workers", type=int, default=None,
-                   help=f"image-decoding processes (default min(4, cores) = {default_workers()}; "
-                        "0 decodes in the main process)")
+                   help="image-decoding processes (default: min(4, cores) on a GPU, 0 on a CPU "
+                        "with up to 8 cores; 0 decodes in the main process)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the network (default: torch's, one per core); 1 can be "
                         "much faster on a machine busy with other work")
@@ -263,7 +263,8 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
     batches, mine = share_batches(len(todo), args.batch_size, procs.rank, procs.world_size)
     workers = args.workers
     if workers is None:  # the processes of one machine share its cores
-        workers = max(1, default_workers() // procs.local_world_size)
+        workers = default_workers(captioner.device)
+        workers = max(1, workers // procs.local_world_size) if workers else 0
     records = caption_files(captioner, [todo[i] for g in mine for i in batches[g]],
                             args.batch_size, workers, None, args.lanes, **decoding)
     steps = -(-len(batches) // procs.world_size)

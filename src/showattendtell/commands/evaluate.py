@@ -57,7 +57,8 @@ def add_parser(sub) -> None:
                    help="where to write the captions as COCO results JSON "
                         "(default: <model>-<dataset>-<split>-results.json)")
     p.add_argument("--batch-size", type=int, default=32, help="images per batch")
-    p.add_argument("--num-workers", type=int, default=2, help="image decoding processes")
+    p.add_argument("--num-workers", type=int, default=None,
+                   help="image-decoding processes (default: as sat caption's --workers)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
     p.add_argument("--no-spice", action="store_true", help="skip SPICE even if it can run")
     add_device_args(p)
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     from showattendtell.data.datasets import load_split
     from showattendtell.metrics import repetition, require_java, score_captions
 
-    if args.batch_size < 1 or args.num_workers < 0 or (args.limit is not None and args.limit < 1):
+    if (args.batch_size < 1 or (args.num_workers or 0) < 0
+            or (args.limit is not None and args.limit < 1)):
         raise EvaluateError("--batch-size and --limit must be positive, --num-workers >= 0")
     if args.instances is not None and args.dataset == "flickr8k":
         raise EvaluateError("--instances needs COCO photos (--dataset coco, or karpathy with "
@@ -152,7 +154,7 @@ def _load_instances(path: str, split):
     return instances
 
 
-def caption_split(captioner, images: list, batch_size: int = 32, num_workers: int = 2,
+def caption_split(captioner, images: list, batch_size: int = 32, num_workers: int | None = None,
                   on_result=None, **decoding) -> tuple[dict[str, str], dict[str, str]]:
     """Caption a split's images through the one pipeline (pipeline.caption_files).
 

@@ -115,6 +115,10 @@ class CaptionDataModule(L.LightningDataModule):
         max_caption_length: training captions are cut to this many words.
         val_images: score on the first N validation images only (None: all).
         vocab_file: use this vocabulary (JSON list) instead of building one.
+        num_workers: loader processes of the training and validation batches.
+        extract_batch_size / extract_workers: images per batch and image-decoding processes
+            when the feature cache is filled (None: the image pipeline's default for the
+            device, ``pipeline.default_workers``).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class CaptionDataModule(L.LightningDataModule):
         val_images: int | None = None,
         vocab_file: str | None = None,
         extract_batch_size: int = 32,
+        extract_workers: int | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["encoder"])
@@ -191,7 +196,7 @@ class CaptionDataModule(L.LightningDataModule):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         log.info("extracting encoder features of %d images into %s", len(images), cache.dir)
         return cache.extract(images, Encoder(self.encoder_config),
-                             self.hparams.extract_batch_size, self.hparams.num_workers,
+                             self.hparams.extract_batch_size, self.hparams.extract_workers,
                              device=device, writer=writer)
 
     def log_cache(self, cache: FeatureCache | None = None) -> None:

@@ -137,7 +137,7 @@ class FeatureCache:
         images: Sequence[CaptionedImage],
         encoder: Encoder,
         batch_size: int = 32,
-        num_workers: int = 2,
+        num_workers: int | None = None,
         shard_size: int = 1024,
         device: str | torch.device = "cpu",
         progress: bool = True,
