@@ -1,14 +1,15 @@
 """End-to-end captioning speed from image files, against the encoder alone on the same images.
 
-Measures what `sat caption` does (worker processes decoding files, batched encoder, batched
-greedy / beam-3 decoding, JSON lines written) and what the CNN alone costs on the same images
+Measures what `sat caption` does (files decoded as it decodes them: in the main thread on a CPU,
+in worker processes on a GPU; batched encoder, batched greedy / beam-3 decoding, JSON lines
+written) and what the CNN alone costs on the same images
 already in memory, so the ratio says how much loading, decoding and writing add on top of it.
 Warm-up first, then several rounds, each timing the encoder alone, greedy, beam 3 and the
 encoder alone again one after the other (so that a change in the machine's load hits all of
 them alike; the reference is timed twice a round because it moves more than the pipeline, see
 the README); medians are reported.
 The last line of output is one JSON object, for scripts. ``--profile`` adds where the time of
-one greedy and one beam-3 run goes (image decoding in the workers, encoder, decoder steps,
+one greedy and one beam-3 run goes (image decoding, encoder, decoder steps,
 search bookkeeping, results, JSON lines, waiting), so that the gap to the encoder can be
 explained, not guessed.
 
@@ -165,7 +166,8 @@ def profile_run(captioner: Captioner, paths: list[str], batch_size: int, workers
         "results (words, attention maps)": sec["results"] - sec["search"],
         "JSON lines": sec["JSON lines"],
     }
-    parts["waiting for images, other"] = wall - sum(parts.values())
+    # with 0 workers the main thread decodes the images here
+    parts["image decoding or waiting, other"] = wall - sum(parts.values())
     out = {k: round(v * per, 2) for k, v in parts.items()}
     out["total"] = round(wall * per, 2)
     out["main process CPU"] = round((cpu1[0] - cpu0[0]) * per, 2)
