@@ -224,8 +224,20 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(synthetic_fl
         time.sleep(0.02)
     assert proc.poll() is None, proc.communicate()[1][-2000:]
     time.sleep(1.0)  # into the next epoch
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Under heavy load the first Ctrl-C has been lost (twice in about 110 runs; the
+            # run trained on, Lightning never saw a KeyboardInterrupt): as a user would, press
+            # it again. Lightning ignores further presses once it is shutting down.
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+    finally:  # never leave a run of 100000 epochs behind
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert proc.returncode == 130, err[-2000:]
     saved = last.with_name("interrupted.ckpt")
     ckpt = torch.load(saved, map_location="cpu", weights_only=True)
