@@ -71,7 +71,7 @@ def open_image(
                 f"{name}: {img.width}x{img.height} is too large (limit {max_pixels:,} pixels); "
                 "resize it first"
             )
-        full_size = img.size
+        stored_size = img.size
         try:
             img.seek(0)  # first frame of an animated GIF/WebP/TIFF
             if min_size:
@@ -79,11 +79,11 @@ def open_image(
             img.load()
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             raise ImageError(f"{name}: the image data is corrupt or truncated ({e})") from None
-        if img.size != full_size:  # decoded reduced: keep the photo's own size, upright
-            upright = full_size
+        if img.size != stored_size:  # decoded reduced: keep the photo's own size, upright
+            upright = stored_size
             with contextlib.suppress(Exception):
                 if img.getexif().get(0x0112) in (5, 6, 7, 8):  # turned a quarter
-                    upright = full_size[::-1]
+                    upright = stored_size[::-1]
             img.info["full_size"] = upright
     with contextlib.suppress(Exception):  # a broken EXIF block: keep the pixels as stored
         img = ImageOps.exif_transpose(img)
