@@ -228,3 +228,38 @@ def test_attention_entropy_is_refused_for_hard_attention_reinforce():
         CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0), attention_entropy=-1)
     module = CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0), attention_entropy=0.1)
     assert module.objective.attention_entropy == 0.1
+
+
+def test_label_smoothing_is_the_smoothed_targets_cross_entropy_and_leaves_the_likelihood():
+    """eps: each word's target is (1 - eps) on the word + eps / V on every word; the logged
+    nll and log-likelihood stay the plain model's (they score the model, not the target)."""
+    import pytest
+
+    from showattendtell.decoder import DecoderConfig
+    from showattendtell.encoder import EncoderConfig
+    from showattendtell.lit_module import CaptionModule, TrainingConfigError
+    from showattendtell.losses import soft_attention_loss
+
+    a, caps, lengths = make_batch()
+    out = small_decoder(seed=4)(a, caps, lengths, mode="soft")
+    plain = soft_attention_loss(out, a.size(0), lam=0.0)
+    smoothed = soft_attention_loss(out, a.size(0), lam=0.0, label_smoothing=0.1)
+    logp = torch.log_softmax(out.logits.float(), -1)  # (N, V) one row per target word
+    word = logp.gather(1, out.targets[:, None])[:, 0]
+    per_token = -(0.9 * word + 0.1 * logp.mean(1))
+    expected = torch.zeros(a.size(0)).index_add(0, out.caption_index, per_token).mean()
+    assert torch.allclose(smoothed.loss, expected, atol=1e-5)
+    assert smoothed.loss > plain.loss  # the even share costs more than the word alone
+    assert torch.equal(smoothed.nll, plain.nll)
+    assert torch.equal(smoothed.log_likelihood, plain.log_likelihood)
+
+    vocab = ["<pad>", "<start>", "<end>", "<unk>", "a", "b"]
+    enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
+    soft = DecoderConfig("soft", 8, 10, 6, 0.0)
+    assert CaptionModule(vocab, enc, soft, label_smoothing=0.1).objective.label_smoothing == 0.1
+    with pytest.raises(TrainingConfigError, match="0 <= eps < 1"):
+        CaptionModule(vocab, enc, soft, label_smoothing=1.0)
+    with pytest.raises(TrainingConfigError, match="self-critical"):
+        CaptionModule(vocab, enc, soft, label_smoothing=0.1, self_critical=5)
+    with pytest.raises(TrainingConfigError, match="hard attention"):
+        CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0), label_smoothing=0.1)

@@ -142,6 +142,9 @@ class CaptionModule(L.LightningModule):
         attention_entropy: weight of sum_t H(alpha_t), the attention's entropy summed over a
             caption's words, added to the soft-attention or self-critical loss: sharper
             attention (the uniform map's entropy is log L). 0: none, as in the paper.
+        label_smoothing: eps of maximum-likelihood training's smoothed targets, (1 - eps) on
+            the caption's word and eps spread over the vocabulary (soft attention only). 0:
+            none, as in the paper.
     """
 
     def __init__(
@@ -157,6 +160,7 @@ class CaptionModule(L.LightningModule):
         self_critical: int = 0,
         self_critical_meteor: float = 0.0,
         attention_entropy: float = 0.0,
+        label_smoothing: float = 0.0,
     ):
         super().__init__()
         if self_critical == 1 or self_critical < 0:
@@ -176,6 +180,13 @@ class CaptionModule(L.LightningModule):
         if attention_entropy < 0:
             raise TrainingConfigError("model.attention_entropy is a penalty weight: 0 or more, "
                                       f"not {attention_entropy}")
+        if not 0 <= label_smoothing < 1:
+            raise TrainingConfigError("model.label_smoothing is the share of each target spread "
+                                      f"over the vocabulary: 0 <= eps < 1, not {label_smoothing}")
+        if label_smoothing and (self_critical or decoder.attention == "hard"):
+            raise TrainingConfigError(
+                "model.label_smoothing applies to soft attention's maximum-likelihood training; "
+                "set it to 0 for hard attention or self-critical training")
         self.hard_cfg = _as(HardAttentionConfig, hard)
         if self.hard_cfg.location_samples < 1:
             raise TrainingConfigError("model.hard.location_samples must be 1 (the moving-average "
@@ -189,11 +200,13 @@ class CaptionModule(L.LightningModule):
             "optimizer": asdict(self.opt_cfg), "val_decoding": asdict(self.val_decoding),
             "init_from": init_from, "self_critical": self_critical,
             "self_critical_meteor": self_critical_meteor, "attention_entropy": attention_entropy,
+            "label_smoothing": label_smoothing,
         })
         self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
         self.objective = make_objective(decoder.attention, doubly_stochastic, self.hard_cfg,
                                         self_critical, self_critical_meteor,
-                                        self.val_decoding.max_length, attention_entropy)
+                                        self.val_decoding.max_length, attention_entropy,
+                                        label_smoothing)
         self._val_predictions: dict[str, str] = {}
 
     def setup(self, stage: str) -> None:

@@ -11,9 +11,13 @@ from showattendtell.attention import attention_entropy
 from showattendtell.decoder import TeacherForcedOutput
 
 
-def caption_log_likelihood(out: TeacherForcedOutput, batch_size: int) -> torch.Tensor:
-    """log p(y | a) (or log p(y | s, a)) per caption, (B,): padding never enters."""
-    token_logp = -F.cross_entropy(out.logits.float(), out.targets, reduction="none")
+def caption_log_likelihood(out: TeacherForcedOutput, batch_size: int,
+                           label_smoothing: float = 0.0) -> torch.Tensor:
+    """log p(y | a) (or log p(y | s, a)) per caption, (B,): padding never enters. With
+    ``label_smoothing`` eps, each word's target is (1 - eps) on the word + eps spread evenly over
+    the vocabulary (Szegedy et al. 2016): a training target, not a likelihood."""
+    token_logp = -F.cross_entropy(out.logits.float(), out.targets, reduction="none",
+                                  label_smoothing=label_smoothing)
     return torch.zeros(batch_size, device=token_logp.device).index_add(
         0, out.caption_index, token_logp
     )
@@ -38,11 +42,13 @@ class LossTerms:
 
 
 def soft_attention_loss(out: TeacherForcedOutput, batch_size: int, lam: float = 1.0,
-                        entropy: float = 0.0) -> LossTerms:
+                        entropy: float = 0.0, label_smoothing: float = 0.0) -> LossTerms:
     """-log p(y|a) + lambda * sum_i (1 - sum_t alpha_ti)^2 [+ entropy * sum_t H(alpha_t)],
-    averaged over captions."""
+    averaged over captions; with ``label_smoothing`` the first term is the smoothed targets'
+    cross-entropy (the logged nll and log_likelihood stay the plain ones)."""
     ll = caption_log_likelihood(out, batch_size)
-    loss = -ll.mean()
+    loss = -(caption_log_likelihood(out, batch_size, label_smoothing) if label_smoothing
+             else ll).mean()
     if lam:
         loss = loss + lam * doubly_stochastic_penalty(out.alphas).mean()
     if entropy:

@@ -65,14 +65,16 @@ class MaximumLikelihood(Objective):
     """Soft attention (paper eq. 14): the captions' negative log-likelihood plus the doubly
     stochastic penalty, which pushes every location to get attention over the caption."""
 
-    def __init__(self, doubly_stochastic: float = 1.0, attention_entropy: float = 0.0):
+    def __init__(self, doubly_stochastic: float = 1.0, attention_entropy: float = 0.0,
+                 label_smoothing: float = 0.0):
         super().__init__()
         self.doubly_stochastic, self.attention_entropy = doubly_stochastic, attention_entropy
+        self.label_smoothing = label_smoothing
 
     def forward(self, model, annotations, batch):
         out = model.decoder(annotations, batch["captions"], batch["lengths"], mode="soft")
         terms = soft_attention_loss(out, annotations.size(0), self.doubly_stochastic,
-                                    self.attention_entropy)
+                                    self.attention_entropy, self.label_smoothing)
         return terms.loss, {"loss": terms.loss, "nll": terms.nll,
                             "caption_nll": -terms.log_likelihood.mean(),
                             "attention_entropy": _mean_word_entropy(out)}
@@ -206,10 +208,11 @@ def _mean_word_entropy(out: TeacherForcedOutput) -> torch.Tensor:
 
 def make_objective(attention: str, doubly_stochastic: float, hard: HardAttentionConfig,
                    self_critical: int, self_critical_meteor: float,
-                   max_length: int, attention_entropy: float = 0.0) -> Objective:
+                   max_length: int, attention_entropy: float = 0.0,
+                   label_smoothing: float = 0.0) -> Objective:
     """The one objective a run trains with."""
     if self_critical:
         return SelfCritical(self_critical, self_critical_meteor, max_length, attention_entropy)
     if attention == "hard":
         return HardAttentionReinforce(hard)
-    return MaximumLikelihood(doubly_stochastic, attention_entropy)
+    return MaximumLikelihood(doubly_stochastic, attention_entropy, label_smoothing)
