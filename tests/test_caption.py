@@ -284,3 +284,32 @@ def test_interrupt_kill_and_resume(tiny_model_file, tmp_path, monkeypatch):
     assert all(r["caption"] for r in records)
     # an overlay is written before its line: a killed run's extra one is overwritten, not doubled
     assert len(list((tmp_path / "sheets").iterdir())) == 24
+
+
+@pytest.mark.slow
+def test_a_second_process_on_the_same_output_is_refused(tiny_model_file, tmp_path, monkeypatch,
+                                                        capsys):
+    """Two `sat caption` processes given one --output: the second stops in one line while the
+    first goes on, and the file ends with every image once (two writers used to append both)."""
+    folder = tmp_path / "few"
+    folder.mkdir()
+    for p in photos(8):
+        shutil.copy(p, folder / p.name)
+    out = tmp_path / "out.jsonl"
+    args = ["few", "-o", "out.jsonl", "--model", str(tiny_model_file), "--workers", "0",
+            "--batch-size", "1", "--beam-size", "1", "--overlays", "sheets"]
+    proc = _start(args, tmp_path)
+    try:
+        _wait_for_lines(out, 1, proc)
+        monkeypatch.chdir(tmp_path)
+        for extra in ([], ["--resume"]):
+            assert main(["caption", *args, *extra]) == 2
+            err = capsys.readouterr().err.strip()
+            assert "is being written by another `sat caption` run" in err and "\n" not in err
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    paths = [r["path"] for r in read_jsonl(out)]
+    assert sorted(paths) == sorted(f"few/{p.name}" for p in photos(8))

@@ -145,3 +145,45 @@ def test_outputs_are_strict_json(images, tiny_model_file, tmp_path, monkeypatch,
                    "--beam-size", "3") == 0
     for line in capsys.readouterr().out.splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON: {c}"))
+
+
+def test_a_second_run_on_the_same_output_stops_in_one_line(images, tiny_model_file, tmp_path,
+                                                           monkeypatch, capsys):
+    """While a run holds --output (here: a lock taken as a running `sat caption` takes it), a
+    second run on that file, fresh or --resume, exits 2 in one line and leaves it byte for byte."""
+    pytest.importorskip("fcntl")
+    from showattendtell.caption_output import OutputLock
+
+    out = tmp_path / "out.jsonl"
+    assert caption(tmp_path, monkeypatch, tiny_model_file, images[0], "-o", "out.jsonl") == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    held = OutputLock(out)
+    try:
+        for extra in ([], ["--resume"]):
+            assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl",
+                           *extra) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("error: --output out.jsonl is being written by another "
+                                  "`sat caption` run") and "\n" not in err
+            assert out.read_bytes() == before
+    finally:
+        held.release()
+    assert out.read_bytes() == before  # releasing a lock on a file it did not create keeps it
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl",
+                   "--resume") == 0
+    assert len(out.read_text().splitlines()) == 3
+
+
+def test_a_run_that_stops_before_captioning_leaves_no_output_file(images, tmp_path, monkeypatch,
+                                                                  capsys):
+    """The lock creates the output file; a run that fails before its first record (here: a
+    model file that does not exist) removes it again, and a file that was there stays."""
+    assert caption(tmp_path, monkeypatch, tmp_path / "none.safetensors", *images,
+                   "-o", "new.jsonl") == 2
+    assert not (tmp_path / "new.jsonl").exists()
+    (tmp_path / "old.jsonl").write_bytes(b"")
+    assert caption(tmp_path, monkeypatch, tmp_path / "none.safetensors", *images,
+                   "-o", "old.jsonl") == 2
+    assert (tmp_path / "old.jsonl").exists()
+    capsys.readouterr()

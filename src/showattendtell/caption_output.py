@@ -250,6 +250,55 @@ def open_output(path: Path, resume: ResumePoint | None) -> IO[bytes]:
     return stream
 
 
+class OutputLock:
+    """An exclusive lock on the output file for the whole run, so that a second `sat caption`
+    given the same ``--output`` stops with one line instead of interleaving its records with the
+    first's (two writers append both sets, and each run's --resume plan goes stale).
+
+    ``fcntl.flock`` on the file itself (advisory, released by the kernel when the process ends,
+    however it ends: no stale lock file to clean up). Taken before ``--resume`` reads the file.
+    A file this creates to hold the lock is removed again by ``release`` if nothing was written to
+    it, so a run that stops before captioning (a bad model file) leaves no empty output behind.
+    Where ``fcntl`` is missing (Windows) or the output is not a regular file (a FIFO, /dev/null),
+    nothing is locked.
+    """
+
+    def __init__(self, path: Path):
+        self.path, self.fd, self.created = path, None, False
+        try:
+            import fcntl
+        except ImportError:  # Windows: no flock
+            return
+        if path.exists() and not path.is_file():
+            return
+        self.created = not path.exists()
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise OutputError(f"cannot write --output {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            self.fd, self.created = None, False
+            raise OutputError(f"--output {path} is being written by another `sat caption` run; "
+                              "wait for it to finish (then --resume adds what it left out), or "
+                              "give another --output") from None
+        except OSError:  # a file system without locks (some network mounts): go on unlocked
+            pass
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            if self.created and os.fstat(self.fd).st_size == 0:
+                self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        os.close(self.fd)  # closing the descriptor releases the lock
+        self.fd = None
+
+
 def prepare_folder(option: str, folder: Path) -> None:
     """Create an output folder now, before any work, or say in one line why it cannot be."""
     try:

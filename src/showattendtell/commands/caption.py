@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from showattendtell.caption_output import (
     FORMATS,
     OutputError,
+    OutputLock,
     ResumePoint,
     Writer,
     open_output,
@@ -164,20 +165,24 @@ class Plan:
     fields: tuple[str, ...] | None  # the CSV columns of the file being continued
 
 
-def _plan(args: argparse.Namespace, fmt: str) -> tuple[Plan, ResumePoint | None]:
-    """Find the inputs, read what --resume continues, create the output folders: all before a
-    model is loaded, so a usage error costs nothing."""
+def _plan(args: argparse.Namespace, fmt: str, lock: list[OutputLock]
+          ) -> tuple[Plan, ResumePoint | None]:
+    """Find the inputs, lock the output file and read what --resume continues, create the output
+    folders: all before a model is loaded, so a usage error costs nothing. The lock, appended to
+    ``lock``, is held until the run ends."""
     paths = _inputs(args)
     out_path = Path(args.output) if args.output else None
     resume: ResumePoint | None = None
-    if args.resume and out_path is not None and out_path.exists():
+    existed = out_path is not None and out_path.exists()
+    if out_path is not None:
+        if existed and not os.access(out_path, os.W_OK):
+            raise OutputError(f"cannot write --output {out_path}: permission denied")
+        prepare_folder("--output", out_path.parent)
+        lock.append(OutputLock(out_path))
+    if args.resume and out_path is not None and existed:
         resume = scan_output(out_path, fmt, args.with_attention)  # refuses a foreign file
     done = resume.done if resume else set()
     todo = [p for p in paths if p not in done]
-    if todo and out_path is not None:
-        prepare_folder("--output", out_path.parent)
-        if out_path.exists() and not os.access(out_path, os.W_OK):
-            raise OutputError(f"cannot write --output {out_path}: permission denied")
     if todo and args.overlays:
         prepare_folder("--overlays", Path(args.overlays))
     return Plan(todo, len(paths) - len(todo), resume.fields if resume else None), resume
@@ -196,15 +201,26 @@ def run(args: argparse.Namespace) -> int:
     # before it starts the others, so a usage error stops the run before any process starts.
     plan: Plan | UserError | None = None
     resume: ResumePoint | None = None
-    if procs.rank == 0:
-        try:
-            plan, resume = _plan(args, fmt)
-        except UserError as e:
-            if not procs.started_externally:
-                raise
-            plan = e  # torchrun / SLURM: the others are waiting for the plan; tell them too
-        if isinstance(plan, Plan) and not plan.todo and not procs.started_externally:
-            return _nothing_to_do(plan, args)
+    lock: list[OutputLock] = []
+    try:
+        if procs.rank == 0:
+            try:
+                plan, resume = _plan(args, fmt, lock)
+            except UserError as e:
+                if not procs.started_externally:
+                    raise
+                plan = e  # torchrun / SLURM: the others are waiting for the plan; tell them too
+            if isinstance(plan, Plan) and not plan.todo and not procs.started_externally:
+                return _nothing_to_do(plan, args)
+        return _run_planned(args, plan, resume, fmt, decoding, procs)
+    finally:
+        for held in lock:
+            held.release()
+
+
+def _run_planned(args: argparse.Namespace, plan: Plan | UserError | None,
+                 resume: ResumePoint | None, fmt: str, decoding: dict[str, Any],
+                 procs: Processes) -> int:
     procs.launch()
     try:
         plan = procs.broadcast(plan)
