@@ -22,15 +22,15 @@ def make_batch(B=4, T=7, L=9, D=12, V=30, seed=0):
     return a, caps, lengths
 
 
-def small_decoder(V=30, D=12, attention="soft", seed=0):
+def small_decoder(V=30, D=12, attention="soft", seed=0, attend="before"):
     torch.manual_seed(seed)
     cfg = DecoderConfig(attention=attention, embed_dim=8, hidden_dim=10, attention_dim=6,
-                        dropout=0.0)
+                        dropout=0.0, attend=attend)
     return Decoder(V, D, cfg)
 
 
-def trained_like_decoder(attention="soft"):
-    dec = small_decoder(attention=attention, seed=2).eval()
+def trained_like_decoder(attention="soft", attend="before"):
+    dec = small_decoder(attention=attention, seed=2, attend=attend).eval()
     with torch.no_grad():  # make <end> plausible so that captions end at different lengths
         dec.out_vocab.bias[END] += 2.0
         dec.out_vocab.bias[UNK] += 5.0  # <unk> would win if it were allowed

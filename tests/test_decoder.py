@@ -40,8 +40,9 @@ def test_no_word_gate_table_when_too_large_or_under_autocast(monkeypatch):
 
 def test_grouped_beams_attend_as_rows_with_their_own_grid_copies():
     """DecoderState.beams: K rows per image share one grid; the step equals K copies'."""
-    for attention, mode in (("soft", "argmax"), ("hard", "argmax")):
-        dec, a = small_decoder(attention=attention, seed=5).eval(), feats(B=3)
+    for attention, mode, attend in (("soft", "argmax", "before"), ("hard", "argmax", "before"),
+                                    ("soft", "argmax", "after"), ("hard", "argmax", "after")):
+        dec, a = small_decoder(attention=attention, seed=5, attend=attend).eval(), feats(B=3)
         K = 4
         words = torch.randint(4, 30, (3 * K,), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():

@@ -32,13 +32,14 @@ def assert_same_hypotheses(fast, slow):
             assert torch.allclose(f.alphas, s.alphas, atol=1e-6)
 
 
+@pytest.mark.parametrize("attend", ["before", "after"])
 @pytest.mark.parametrize("attention,hard_mode", [("soft", "argmax"), ("hard", "argmax"),
                                                  ("hard", "expectation")])
 @pytest.mark.parametrize("options", [{}, {"no_repeat_ngram": 2}, {"allow_unk": True}])
 @pytest.mark.parametrize("end_shift", [0.0, -1.0, -1.5])
 def test_greedy_gives_what_the_plain_implementation_gives(attention, hard_mode, options,
-                                                          end_shift):
-    dec, a = later_end_decoder(attention, end_shift), feats(B=7)
+                                                          end_shift, attend):
+    dec, a = later_end_decoder(attention, end_shift, attend), feats(B=7)
     for max_length in (1, 5, 12):
         assert_same_hypotheses(
             greedy_decode(dec, a, max_length, hard_mode, **options),
@@ -50,11 +51,12 @@ def test_greedy_gives_what_the_plain_implementation_gives(attention, hard_mode, 
 @pytest.mark.parametrize("options", [{}, {"no_repeat_ngram": 2}, {"length_penalty": 1.0},
                                      {"allow_unk": True}])
 @pytest.mark.parametrize("end_shift", [0.0, -1.0, -1.5])
+@pytest.mark.parametrize("attend", ["before", "after"])
 def test_beam_search_gives_what_the_plain_implementation_gives(attention, hard_mode, options,
-                                                               end_shift):
+                                                               end_shift, attend):
     """Images that finish early leave the batch, the first word is predicted once per image and
     beams share their image's grid: none of it may change a hypothesis."""
-    dec, a = later_end_decoder(attention, end_shift), feats(B=7)
+    dec, a = later_end_decoder(attention, end_shift, attend), feats(B=7)
     for beam_size, max_length in ((1, 8), (2, 1), (3, 12), (5, 10)):
         assert_same_hypotheses(
             beam_search(dec, a, beam_size, max_length, hard_mode=hard_mode, **options),
@@ -70,9 +72,9 @@ def test_a_beam_wider_than_half_the_vocabulary():
                                reference_beam_search(dec, a, 20, 2, **options))
 
 
-def later_end_decoder(attention="soft", end_shift=-1.0):
+def later_end_decoder(attention="soft", end_shift=-1.0, attend="before"):
     """Captions of several lengths: images are done at different steps."""
-    dec = trained_like_decoder(attention)
+    dec = trained_like_decoder(attention, attend)
     with torch.no_grad():
         dec.out_vocab.bias[END] += end_shift
     return dec

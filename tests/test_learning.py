@@ -43,13 +43,14 @@ def test_overfits_a_handful_of_real_photos():
         assert vocab.decode(hyp[0].tokens) == vocab.decode(vocab.encode(caption)[1:])
 
 
-def train_on_shapes(attention: str, steps: int):
+def train_on_shapes(attention: str, steps: int, attend: str = "before"):
     torch.manual_seed(0)
     random.seed(0)
     feats, captions, _, _ = make_dataset(512, seed=0)
     vocab = Vocabulary.build(captions, min_count=1)
     caps, lengths = encode_captions(vocab, captions)
-    dec = Decoder(len(vocab), feats.size(2), DecoderConfig(attention, 32, 64, 32, dropout=0.0))
+    dec = Decoder(len(vocab), feats.size(2),
+                  DecoderConfig(attention, 32, 64, 32, dropout=0.0, attend=attend))
     opt = torch.optim.Adam(dec.parameters(), lr=3e-3)
     baseline = 0.0
     for _ in range(steps):
@@ -84,9 +85,10 @@ def attention_hit_rate(dec, vocab) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention,steps,min_rate", [("soft", 300, 0.5), ("hard", 400, 0.3)])
-def test_attention_finds_the_named_object(attention, steps, min_rate):
+@pytest.mark.parametrize("attention,steps,min_rate,attend", [
+    ("soft", 300, 0.5, "before"), ("hard", 400, 0.3, "before"), ("soft", 300, 0.5, "after")])
+def test_attention_finds_the_named_object(attention, steps, min_rate, attend):
     chance = 1 / (GRID * GRID)
-    rate = attention_hit_rate(*train_on_shapes(attention, steps))
+    rate = attention_hit_rate(*train_on_shapes(attention, steps, attend))
     assert rate > min_rate, f"{attention}: attention on the named object {rate:.0%} " \
                             f"(chance {chance:.0%})"

@@ -159,3 +159,24 @@ def test_weights_with_nan_or_inf_are_refused_at_load(bad, tiny_model_file, tmp_p
     assert main(["caption", str(img), "--model", str(path), "--beam-size", "3"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "NaN or Inf" in err and "\n" not in err
+
+
+def test_a_spatial_attention_model_round_trips_and_joins_an_ensemble(tiny_model_file, tmp_path):
+    """decoder.attend "after" travels in the file; files written before the option (the bundled
+    ones too) read as "before"; models of both kinds caption together as one ensemble."""
+    from tiny_model import train_tiny_model
+
+    after = train_tiny_model(tmp_path / "after.safetensors", attend="after")
+    assert read_model(after)[0].decoder.config.attend == "after"
+    assert read_model(tiny_model_file)[0].decoder.config.attend == "before"
+    assert all(read_model(f)[0].decoder.config.attend == "before" for f in bundled_models())
+    rng = np.random.default_rng(5)
+    images = [make_example(rng)[0] for _ in range(4)]
+    captioner = load_model(after, device="cpu")
+    before = captioner.caption(images, beam_size=3)
+    assert all(r.caption for r in before)
+    again = save_model(captioner.model, tmp_path / "again.safetensors", captioner.decoding)
+    assert [r.caption for r in load_model(again, "cpu").caption(images, beam_size=3)] \
+        == [r.caption for r in before]
+    both = load_model(f"{tiny_model_file}+{after}", "cpu").caption(images, beam_size=3)
+    assert all(r.caption and r.attention.shape == before[0].attention.shape for r in both)

@@ -1,5 +1,6 @@
 """The optimised decoder computes exactly the equations of the plain reference implementation."""
 
+import pytest
 import torch
 from helpers import make_batch, small_decoder
 
@@ -8,9 +9,10 @@ from showattendtell.losses import soft_attention_loss
 from showattendtell.reference import reference_greedy, reference_soft_loss
 
 
-def test_same_loss_and_gradients_as_the_reference():
+@pytest.mark.parametrize("attend", ["before", "after"])
+def test_same_loss_and_gradients_as_the_reference(attend):
     a, caps, lengths = make_batch(B=6, T=9, L=7, D=12)
-    dec = small_decoder()
+    dec = small_decoder(attend=attend)
     fast = soft_attention_loss(dec(a, caps, lengths), 6, lam=1.0).loss
     slow = reference_soft_loss(dec, a, caps, lengths, lam=1.0)
     assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
@@ -20,8 +22,9 @@ def test_same_loss_and_gradients_as_the_reference():
         assert torch.allclose(gf, gs, rtol=1e-4, atol=1e-6), name
 
 
-def test_same_captions_as_the_reference():
-    dec = small_decoder(seed=4).eval()
+@pytest.mark.parametrize("attend", ["before", "after"])
+def test_same_captions_as_the_reference(attend):
+    dec = small_decoder(seed=4, attend=attend).eval()
     with torch.no_grad():
         dec.out_vocab.bias[2] += 1.5  # let captions end at different lengths
     a = torch.randn(6, 7, 12, generator=torch.Generator().manual_seed(1))

@@ -22,13 +22,14 @@ from showattendtell.model_file import save_model
 from showattendtell.vocab import Vocabulary
 
 
-def train_tiny_model(path: Path, steps: int = 100, attention: str = "soft", seed: int = 0) -> Path:
+def train_tiny_model(path: Path, steps: int = 100, attention: str = "soft", seed: int = 0,
+                     attend: str = "before") -> Path:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     examples = [make_example(rng) for _ in range(96)]
     vocab = Vocabulary.build([c for _, c, _ in examples], min_count=1)
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
-    model = CaptionModel(vocab, enc, DecoderConfig(attention, 32, 64, 32, 0.0))
+    model = CaptionModel(vocab, enc, DecoderConfig(attention, 32, 64, 32, 0.0, attend=attend))
     with torch.no_grad():
         feats = model.encoder(torch.stack([preprocess(img, 64) for img, _, _ in examples]))
     ids = [torch.tensor(vocab.encode(c)) for _, c, _ in examples]

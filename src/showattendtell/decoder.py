@@ -4,6 +4,13 @@
     [i f o g] = W [E y_{t-1}; h_{t-1}; z_t] + b ;  c_t = f*c_{t-1} + i*g ;  h_t = o*tanh(c_t)
     p(y_t) ~ exp(L_o(E y_{t-1} + L_h h_t + L_z z_t))          deep output layer (eq. 7)
 
+with z_t = beta_t * sum_i alpha_ti a_i (attention.py) attending from h_{t-1}, before the LSTM
+step (``attend="before"``, the paper). ``attend="after"`` is the spatial attention of Lu et al.
+2017 ("Knowing when to look"), the decoder of the strongest CNN+LSTM results on Flickr: the LSTM
+reads the mean annotation instead of z_t, [i f o g] = W [E y_{t-1}; h_{t-1}; mean_i a_i] + b,
+and z_t attends from the new h_t, so it reaches only the output layer (and the word it helps
+predict has already been fed in as y_{t-1}).
+
 Fast path (issue #7): what does not change per word is computed once per caption or once per
 batch: W_a a (attention.project_annotations), the embedding part of the LSTM gates for all steps,
 and the deep output + vocabulary projection for all tokens after the recurrence. The recurrent
@@ -31,17 +38,22 @@ from showattendtell.attention import (
 
 @dataclass
 class DecoderConfig:
-    """Sizes of the decoder. ``attention``: "soft" or "hard"."""
+    """Sizes of the decoder. ``attention``: "soft" or "hard". ``attend``: "before" the LSTM
+    step, from h_{t-1} (the paper), or "after" it, from h_t (Lu et al. 2017's spatial
+    attention; see the module docstring)."""
 
     attention: str = "soft"
     embed_dim: int = 512
     hidden_dim: int = 1024
     attention_dim: int = 512
     dropout: float = 0.5
+    attend: str = "before"
 
     def __post_init__(self) -> None:
         if self.attention not in ("soft", "hard"):
             raise ValueError(f"attention must be 'soft' or 'hard', not {self.attention!r}")
+        if self.attend not in ("before", "after"):
+            raise ValueError(f"attend must be 'before' or 'after', not {self.attend!r}")
 
 
 @dataclass
@@ -73,6 +85,12 @@ class DecoderState:
     annotations: torch.Tensor  # (N / beams, L, D) each image's annotation grid
     beams: int = 1  # rows per image
     word_gates: torch.Tensor | None = None  # (V, 4H) Decoder.word_gates(), or None
+    image_gates: torch.Tensor | None = None  # (N / beams, 4H) W mean_i a_i (attend "after")
+
+    def _images(self, images: torch.Tensor) -> dict:
+        gates = None if self.image_gates is None else self.image_gates[images]
+        return {"projected": self.projected[images], "annotations": self.annotations[images],
+                "image_gates": gates}
 
     def select(self, rows: torch.Tensor, same_images: bool = False) -> DecoderState:
         """The state of rows ``rows`` (N',): reorders beams, repeats images, drops finished
@@ -81,8 +99,7 @@ class DecoderState:
         if same_images:
             return replace(self, h=self.h[rows], c=self.c[rows])
         images = rows if self.beams == 1 else torch.div(rows, self.beams, rounding_mode="floor")
-        return replace(self, h=self.h[rows], c=self.c[rows], projected=self.projected[images],
-                       annotations=self.annotations[images], beams=1)
+        return replace(self, h=self.h[rows], c=self.c[rows], beams=1, **self._images(images))
 
     def regroup(self, rows: torch.Tensor, beams: int,
                 images: torch.Tensor | None = None) -> DecoderState:
@@ -91,8 +108,7 @@ class DecoderState:
         the image of its new group: beam search keeps beams within their image."""
         if images is None:
             return replace(self, h=self.h[rows], c=self.c[rows], beams=beams)
-        return replace(self, h=self.h[rows], c=self.c[rows], projected=self.projected[images],
-                       annotations=self.annotations[images], beams=beams)
+        return replace(self, h=self.h[rows], c=self.c[rows], beams=beams, **self._images(images))
 
 
 class Step(NamedTuple):
@@ -114,10 +130,17 @@ class Decoder(nn.Module):
         self.init_h = nn.Linear(feature_dim, H)
         self.init_c = nn.Linear(feature_dim, H)
         self.attention = AdditiveAttention(feature_dim, A)
-        # One matmul of h_{t-1} gives the LSTM's recurrent term, U_a h_{t-1} and f_beta(h_{t-1}).
-        self.hidden_proj = nn.Linear(H, 4 * H + A + 1, bias=False)
+        if config.attend == "before":
+            # One matmul of h_{t-1} gives the LSTM's recurrent term, U_a h_{t-1} and
+            # f_beta(h_{t-1}).
+            self.hidden_proj = nn.Linear(H, 4 * H + A + 1, bias=False)
+            self.attend_proj = None
+        else:  # the recurrent term from h_{t-1}; U_a h_t and f_beta(h_t) after the step
+            self.hidden_proj = nn.Linear(H, 4 * H, bias=False)
+            self.attend_proj = nn.Linear(H, A + 1, bias=False)
         self.gate_embed = nn.Linear(E, 4 * H)  # embedding part of W, with the LSTM bias b
-        self.gate_context = nn.Linear(feature_dim, 4 * H, bias=False)  # context part of W
+        # the context part of W (attend "before": of z_t; "after": of mean_i a_i)
+        self.gate_context = nn.Linear(feature_dim, 4 * H, bias=False)
         self.beta_bias = nn.Parameter(torch.zeros(1))  # f_beta's bias
         self.out_hidden = nn.Linear(H, E)  # L_h
         self.out_context = nn.Linear(feature_dim, E, bias=False)  # L_z
@@ -144,15 +167,36 @@ class Decoder(nn.Module):
     ):
         """Attend and update the LSTM for one word.
 
-        gate_x is the embedding part of the gates, (B, 4H). mode: "soft" (expected context),
-        "sample" (hard, s_t ~ alpha_t), "argmax" (hard, most likely location) or "forced" (hard,
-        s_t given in ``locations``). ``beams`` > 1: rows come in groups of that many per image
-        of ``projected`` / ``annotations`` (see DecoderState). Returns h, c, z, alpha, s_t (None
+        gate_x is the input part of the gates, (B, 4H): the embedding's (and with attend
+        "after" the mean annotation's). mode: "soft" (expected context), "sample" (hard, s_t ~
+        alpha_t), "argmax" (hard, most likely location) or "forced" (hard, s_t given in
+        ``locations``). ``beams`` > 1: rows come in groups of that many per image of
+        ``projected`` / ``annotations`` (see DecoderState). Returns h, c, z, alpha, s_t (None
         for soft).
         """
         H = self.config.hidden_dim
         hp = self.hidden_proj(h)
-        gates_h, att_h, beta = hp[:, : 4 * H], hp[:, 4 * H : -1], hp[:, -1:]
+        if self.attend_proj is not None:  # attend "after": the LSTM step first, then attend
+            c, h = self._lstm(gate_x + hp, c)
+            ap = self.attend_proj(h)
+            z, alpha, s = self._attend(ap[:, :-1], ap[:, -1:], projected, annotations, mode,
+                                       locations, beams)
+            return h, c, z, alpha, s
+        z, alpha, s = self._attend(hp[:, 4 * H : -1], hp[:, -1:], projected, annotations, mode,
+                                   locations, beams)
+        c, h = self._lstm(gate_x + hp[:, : 4 * H] + self.gate_context(z), c)
+        return h, c, z, alpha, s
+
+    @staticmethod
+    def _lstm(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        i, f, o, g = gates.chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return c, torch.sigmoid(o) * torch.tanh(c)
+
+    def _attend(self, att_h: torch.Tensor, beta: torch.Tensor, projected: torch.Tensor,
+                annotations: torch.Tensor, mode: str, locations: torch.Tensor | None,
+                beams: int):
+        """z_t, alpha_t and s_t (None for soft) from U_a h and f_beta(h) (pre-bias)."""
         alpha = self.attention.weights(projected, att_h, beams)
         if mode == "soft":
             if beams == 1:
@@ -176,11 +220,12 @@ class Decoder(nn.Module):
                                   rounding_mode="floor")
                 context = annotations[image, s]
         z = torch.sigmoid(beta + self.beta_bias) * context
-        gates = gate_x + gates_h + self.gate_context(z)
-        i, f, o, g = gates.chunk(4, 1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        return h, c, z, alpha, s
+        return z, alpha, s
+
+    def image_gates(self, annotations: torch.Tensor) -> torch.Tensor | None:
+        """W mean_i a_i, (B, 4H): what the LSTM reads of the image at every step with attend
+        "after" (None with "before", where it reads z_t)."""
+        return None if self.attend_proj is None else self.gate_context(annotations.mean(1))
 
     def deep_output(self, emb: torch.Tensor, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Logits L_o(E y_{t-1} + L_h h_t + L_z z_t), with dropout on the sum."""
@@ -214,7 +259,8 @@ class Decoder(nn.Module):
         look the embedding part of the gates up in a table (search at inference)."""
         h, c = self.init_state(annotations)  # (B, H) each
         return DecoderState(h, c, self.attention.project_annotations(annotations), annotations,
-                            word_gates=self.word_gates() if word_gates else None)
+                            word_gates=self.word_gates() if word_gates else None,
+                            image_gates=self.image_gates(annotations))
 
     def step(self, prev_words: torch.Tensor, state: DecoderState,
              hard_mode: str = "argmax") -> Step:
@@ -228,6 +274,9 @@ class Decoder(nn.Module):
             else hard_mode
         emb = self.embedding(prev_words)  # (N, E)
         gate_x = self.gate_embed(emb) if state.word_gates is None else state.word_gates[prev_words]
+        if state.image_gates is not None:  # (N / beams, 4H): each image's row for its beams
+            gate_x = (gate_x.view(-1, state.beams, gate_x.size(1))
+                      + state.image_gates.unsqueeze(1)).view_as(gate_x)
         h, c, z, alpha, s = self.recurrent_step(
             gate_x, state.h, state.c, state.projected, state.annotations, mode, beams=state.beams,
         )
@@ -258,6 +307,9 @@ class Decoder(nn.Module):
 
         emb = self.embedding(caps[:, :T])  # (B, T, E): inputs y_0..y_{T-1}
         gate_x = self.gate_embed(emb)  # (B, T, 4H), all steps in one matmul
+        image_gates = self.image_gates(a)  # (B, 4H) or None
+        if image_gates is not None:
+            gate_x = gate_x + image_gates.unsqueeze(1)
         projected = self.attention.project_annotations(a)  # (B, L, A), once per caption
         h, c = self.init_state(a)  # (B, H) each
         forced = locations[order] if locations is not None else None  # (B, T)

@@ -18,24 +18,39 @@ from showattendtell.decoder import Decoder
 def _weights(dec: Decoder):
     H, A = dec.config.hidden_dim, dec.config.attention_dim
     W = dec.hidden_proj.weight
+    if dec.config.attend == "after":
+        W_att = dec.attend_proj.weight
+        return W, W_att[:A], W_att[-1]
     return W[: 4 * H], W[4 * H : 4 * H + A], W[-1]
 
 
-def reference_step(dec: Decoder, y_prev, h, c, a):
-    """One word with soft attention: returns logits, h, c, alpha."""
-    W_hh, U_a, w_beta = _weights(dec)
+def _attend(dec: Decoder, h, a, U_a, w_beta):
     att = dec.attention
     e = torch.tanh(att.annotation_proj(a) + (h @ U_a.T).unsqueeze(1))  # recomputed every step
     alpha = F.softmax(e @ att.score.weight.squeeze(0), dim=1)
     context = (alpha.unsqueeze(2) * a).sum(1)
     beta = torch.sigmoid(h @ w_beta + dec.beta_bias)
-    z = beta.unsqueeze(1) * context
-    emb = dec.embedding(y_prev)
-    gates = emb @ dec.gate_embed.weight.T + dec.gate_embed.bias + h @ W_hh.T \
-        + z @ dec.gate_context.weight.T
+    return beta.unsqueeze(1) * context, alpha
+
+
+def _lstm(gates, c):
     i, f, o, g = gates.chunk(4, 1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    h = torch.sigmoid(o) * torch.tanh(c)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def reference_step(dec: Decoder, y_prev, h, c, a):
+    """One word with soft attention: returns logits, h, c, alpha. Attend "before": from
+    h_{t-1}, z_t into the LSTM; "after": the LSTM reads mean_i a_i, then z_t from h_t."""
+    W_hh, U_a, w_beta = _weights(dec)
+    emb = dec.embedding(y_prev)
+    gates = emb @ dec.gate_embed.weight.T + dec.gate_embed.bias + h @ W_hh.T
+    if dec.config.attend == "after":
+        h, c = _lstm(gates + a.mean(1) @ dec.gate_context.weight.T, c)
+        z, alpha = _attend(dec, h, a, U_a, w_beta)
+    else:
+        z, alpha = _attend(dec, h, a, U_a, w_beta)
+        h, c = _lstm(gates + z @ dec.gate_context.weight.T, c)
     deep = emb + dec.out_hidden(h) + dec.out_context(z)
     return dec.out_vocab(dec.dropout(deep)), h, c, alpha
 
