@@ -15,6 +15,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from showattendtell.data.datamodule import CaptionDataModule
 from showattendtell.distributed import Processes, share_batches
@@ -93,18 +94,24 @@ class SatCLI(LightningCLI):
 
 
 class SaveOnInterrupt(L.Callback):
-    """On Ctrl-C, a checkpoint of exactly where training stopped (not only the last finished
-    epoch), next to the run's other checkpoints. Lightning then ends the process itself."""
+    """On Ctrl-C or SIGTERM (``kill``, a scheduler's preemption), a checkpoint of exactly where
+    training stopped (not only the last finished epoch), next to the run's other checkpoints.
+    Lightning then ends the process itself. On SIGTERM Lightning first finishes the batch in
+    flight and stops with a SIGTERMException (a SystemExit), which would otherwise end the run
+    with exit status 0 and lose every step since the last checkpoint."""
 
     def __init__(self) -> None:
         self.saved: Path | None = None
         self.interrupted = False
+        self.exit_status = 130  # 128 + SIGINT; 143 (128 + SIGTERM) for SIGTERM
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:
-        if not isinstance(exception, KeyboardInterrupt):
+        if not isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
             return
         self.interrupted = True
+        if isinstance(exception, SIGTERMException):
+            self.exit_status = 143
         if trainer.global_step == 0:  # stopped before the first step (e.g. caching features)
             return
         ckpt = trainer.checkpoint_callback
@@ -162,13 +169,14 @@ def resume_command(args: list[str], checkpoint: Path) -> str:
 
 
 def train(args: list[str]) -> int:
-    """Fit; on Ctrl-C save where it stopped, say how to resume, and return exit status 130."""
+    """Fit; on Ctrl-C or SIGTERM save where it stopped, say how to resume, and return exit
+    status 130 (Ctrl-C) or 143 (SIGTERM)."""
     cli = build_cli(args)
     on_interrupt = SaveOnInterrupt()
     cli.trainer.callbacks.append(on_interrupt)
     try:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.ckpt_path)
-    except SystemExit:  # Lightning's own exit after a KeyboardInterrupt
+    except SystemExit:  # Lightning's own exit after a KeyboardInterrupt, or SIGTERM's
         if not on_interrupt.interrupted:
             raise
     if not on_interrupt.interrupted:
@@ -180,7 +188,7 @@ def train(args: list[str]) -> int:
     else:
         print("interrupted before the first training step; run the same command again to "
               "start (features cached so far are kept)", file=sys.stderr)
-    return 130
+    return on_interrupt.exit_status
 
 
 def extract_features(args: list[str]) -> int:
