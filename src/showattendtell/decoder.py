@@ -177,21 +177,22 @@ class Decoder(nn.Module):
         H = self.config.hidden_dim
         hp = self.hidden_proj(h)
         if self.attend_proj is not None:  # attend "after": the LSTM step first, then attend
-            c, h = self._lstm(gate_x + hp, c)
+            h, c = self._lstm(gate_x + hp, c)
             ap = self.attend_proj(h)
             z, alpha, s = self._attend(ap[:, :-1], ap[:, -1:], projected, annotations, mode,
                                        locations, beams)
             return h, c, z, alpha, s
         z, alpha, s = self._attend(hp[:, 4 * H : -1], hp[:, -1:], projected, annotations, mode,
                                    locations, beams)
-        c, h = self._lstm(gate_x + hp[:, : 4 * H] + self.gate_context(z), c)
+        h, c = self._lstm(gate_x + hp[:, : 4 * H] + self.gate_context(z), c)
         return h, c, z, alpha, s
 
     @staticmethod
     def _lstm(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h_t, c_t from the gates' pre-activations (B, 4H) and c_{t-1}."""
         i, f, o, g = gates.chunk(4, 1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return c, torch.sigmoid(o) * torch.tanh(c)
+        return torch.sigmoid(o) * torch.tanh(c), c
 
     def _attend(self, att_h: torch.Tensor, beta: torch.Tensor, projected: torch.Tensor,
                 annotations: torch.Tensor, mode: str, locations: torch.Tensor | None,
