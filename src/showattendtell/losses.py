@@ -11,16 +11,29 @@ from showattendtell.attention import attention_entropy
 from showattendtell.decoder import TeacherForcedOutput
 
 
-def caption_log_likelihood(out: TeacherForcedOutput, batch_size: int,
-                           label_smoothing: float = 0.0) -> torch.Tensor:
-    """log p(y | a) (or log p(y | s, a)) per caption, (B,): padding never enters. With
-    ``label_smoothing`` eps, each word's target is (1 - eps) on the word + eps spread evenly over
-    the vocabulary (Szegedy et al. 2016): a training target, not a likelihood."""
-    token_logp = -F.cross_entropy(out.logits.float(), out.targets, reduction="none",
-                                  label_smoothing=label_smoothing)
-    return torch.zeros(batch_size, device=token_logp.device).index_add(
-        0, out.caption_index, token_logp
+def _per_caption(out: TeacherForcedOutput, batch_size: int, token_values: torch.Tensor
+                 ) -> torch.Tensor:
+    """Sums of per-token values (N,) by caption, (B,): padding never enters."""
+    return torch.zeros(batch_size, device=token_values.device).index_add(
+        0, out.caption_index, token_values
     )
+
+
+def caption_log_likelihood(out: TeacherForcedOutput, batch_size: int) -> torch.Tensor:
+    """log p(y | a) (or log p(y | s, a)) per caption, (B,): padding never enters."""
+    token_logp = -F.cross_entropy(out.logits.float(), out.targets, reduction="none")
+    return _per_caption(out, batch_size, token_logp)
+
+
+def smoothed_log_likelihood(out: TeacherForcedOutput, batch_size: int, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(y | a), the smoothed targets' negative cross-entropy) per caption, (B,) each, from
+    one log-softmax: each word's target is (1 - eps) on the word + eps spread evenly over the
+    vocabulary (Szegedy et al. 2016), what F.cross_entropy's label_smoothing computes."""
+    logp = F.log_softmax(out.logits.float(), -1)  # (N, V)
+    word = logp.gather(1, out.targets.unsqueeze(1)).squeeze(1)  # (N,)
+    smoothed = (1 - eps) * word + eps * logp.mean(1)
+    return _per_caption(out, batch_size, word), _per_caption(out, batch_size, smoothed)
 
 
 def doubly_stochastic_penalty(alphas: torch.Tensor) -> torch.Tensor:
@@ -46,9 +59,11 @@ def soft_attention_loss(out: TeacherForcedOutput, batch_size: int, lam: float = 
     """-log p(y|a) + lambda * sum_i (1 - sum_t alpha_ti)^2 [+ entropy * sum_t H(alpha_t)],
     averaged over captions; with ``label_smoothing`` the first term is the smoothed targets'
     cross-entropy (the logged nll and log_likelihood stay the plain ones)."""
-    ll = caption_log_likelihood(out, batch_size)
-    loss = -(caption_log_likelihood(out, batch_size, label_smoothing) if label_smoothing
-             else ll).mean()
+    if label_smoothing:
+        ll, target = smoothed_log_likelihood(out, batch_size, label_smoothing)
+    else:
+        ll = target = caption_log_likelihood(out, batch_size)
+    loss = -target.mean()
     if lam:
         loss = loss + lam * doubly_stochastic_penalty(out.alphas).mean()
     if entropy:
