@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from showattendtell.cli import main
-from showattendtell.commands import data as download
+from showattendtell.data import download
 from showattendtell.data.datasets import DatasetError, load_split
 
 
@@ -250,3 +250,13 @@ def test_official_manifest_is_complete():
         "https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip")
     assert names["val2014.zip"].size == 6_645_013_297
     assert all(a.md5 for a in download.COCO_ARCHIVES if a.name != "caption_datasets.zip")
+
+
+def test_the_downloader_is_a_library_without_the_command(server, tmp_path):
+    """Python code fetches a dataset through the data package, no argument parsing involved."""
+    files = {p: d for p, d in server.files.items() if p.endswith("val2014.zip")}
+    manifest = download.load_manifest(str(_manifest(tmp_path, files)))
+    archives = download.select_archives(["val2014.zip"], manifest)
+    download.fetch_all(archives, tmp_path / "coco", base_url=server.base)
+    assert download.is_complete(tmp_path / "coco" / "val2014", archives[0])
+    assert not (tmp_path / "coco" / "downloads" / "val2014.zip").exists()  # archives deleted
