@@ -91,7 +91,7 @@ class CaptionService:
                    decoding or captioner.decoding)
         self._queue.put(job)
         result = job.future.result(timeout=timeout)
-        result.warning = image_warning(image)
+        result.add_warning(image_warning(image))
         return result
 
     def close(self) -> None:

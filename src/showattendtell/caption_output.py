@@ -28,9 +28,10 @@ if TYPE_CHECKING:
     from showattendtell.pipeline import Record
 
 FORMATS = ("jsonl", "csv")
-CSV_FIELDS = ("path", "caption", "score", "log_prob", "error", "warning")
+CSV_FIELDS = ("path", "caption", "score", "log_prob", "error", "warning", "familiarity")
 ATTENTION_FIELDS = ("attention", "locations")
 _CSV_BEFORE_WARNINGS = CSV_FIELDS[:5]  # files written before the warning column; still resumable
+_CSV_BEFORE_FAMILIARITY = CSV_FIELDS[:6]  # and before the familiarity column (familiarity.py)
 JSONL_RECORD_START = '{"path": '  # how every JSON line we write begins
 
 
@@ -197,7 +198,8 @@ def _csv_records(text: str):
 def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
     point = ResumePoint()
     layouts = [csv_fields(a) for a in (False, True)]
-    layouts += [_CSV_BEFORE_WARNINGS + extra for extra in ((), ATTENTION_FIELDS)]
+    layouts += [old + extra for old in (_CSV_BEFORE_WARNINGS, _CSV_BEFORE_FAMILIARITY)
+                for extra in ((), ATTENTION_FIELDS)]
     header = "\n".join(",".join(f) for f in layouts)
     for n, (row, end, ended) in enumerate(_csv_records(text), 1):
         if not ended:  # the last record, cut short by a kill: it must be a prefix of a record

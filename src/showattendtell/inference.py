@@ -11,7 +11,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from showattendtell import familiarity
 from showattendtell.catalog import resolve_models
+from showattendtell.consensus import ConsensusIndex
 from showattendtell.decoding import DecodingConfig
 from showattendtell.errors import UsageError
 from showattendtell.images import image_warning, open_image, preprocess
@@ -29,12 +31,24 @@ class CaptionResult:
     attention: np.ndarray  # (len(words), grid, grid): where the model looked for each word
     locations: list[tuple[int, int]] | None  # hard attention: (row, col) chosen for each word
     beams: list[tuple[str, float]]  # the beam's captions with their scores, best first
-    warning: str | None = None  # e.g. a 1x1 photo: captioned, but the caption is a guess
+    warning: str | None = None  # e.g. a 1x1 photo, or an unfamiliar one: the caption may be wrong
+    familiarity: float | None = None  # 0..1, how much the photo looks like the training photos
+    # (familiarity.py); None for a model without a consensus index
+
+    def add_warning(self, text: str | None) -> None:
+        """Add a warning beside any the result has (a photo can be both tiny and unfamiliar)."""
+        if text:
+            self.warning = f"{self.warning}; {text}" if self.warning else text
 
     def to_dict(self, with_attention: bool = False) -> dict:
         """The result as strict JSON (no NaN/Infinity: a non-finite score becomes null)."""
-        d = {"caption": self.caption, "score": finite_or_none(self.score, 4),
-             "log_prob": finite_or_none(self.log_prob, 4), "words": self.words}
+        d = {
+            "caption": self.caption,
+            "score": finite_or_none(self.score, 4),
+            "log_prob": finite_or_none(self.log_prob, 4),
+            "words": self.words,
+            "familiarity": None if self.familiarity is None else round(self.familiarity, 4),
+        }
         if self.warning:
             d["warning"] = self.warning
         if with_attention:
@@ -65,8 +79,7 @@ PRECISIONS = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast type of ``--precision`` (None: float32); float16 needs a GPU."""
     if precision not in PRECISIONS:
-        raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, not "
-                         f"{precision!r}")
+        raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     if precision == "16" and device.type != "cuda":
         raise UsageError("--precision 16 needs a CUDA GPU; on a CPU use 32 (the default) or bf16")
     return PRECISIONS[precision]
@@ -79,16 +92,23 @@ class Captioner:
     precision: a GPU's fast path); "32", the default, is float32 throughout.
     """
 
-    def __init__(self, model: CaptionModel, decoding: DecodingConfig, device: str = "auto",
-                 name: str = "model", precision: str = "32"):
+    def __init__(
+        self,
+        model: CaptionModel,
+        decoding: DecodingConfig,
+        device: str = "auto",
+        name: str = "model",
+        precision: str = "32",
+    ):
         self.device = resolve_device(device)
         self.autocast = autocast_dtype(precision, self.device)
         self.model = model.to(self.device).eval()
         self.decoding, self.name = decoding, name
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.autocast,
-                              enabled=self.autocast is not None)
+        return torch.autocast(
+            self.device.type, dtype=self.autocast, enabled=self.autocast is not None
+        )
 
     @property
     def attention_type(self) -> str:
@@ -116,23 +136,38 @@ class Captioner:
 
     @torch.inference_mode()
     def caption_annotations(self, annotations: torch.Tensor, **decoding) -> list[CaptionResult]:
+        """Annotation grids (B, L, D) -> their results, each with its familiarity (and its
+        warning when the photo is unlike the training photos) if the model has an index."""
         cfg = self.decoding.with_overrides(**decoding)
         with self._autocast():
             hypotheses = self.model.generate(annotations, cfg)
         g = self.model.grid
+        scorer = familiarity.for_index(self.model.consensus)
+        known = (
+            scorer.score(ConsensusIndex.pool(annotations)).tolist()
+            if scorer is not None
+            else [None] * len(hypotheses)
+        )
         results = []
-        for hyps in hypotheses:
+        for hyps, fam in zip(hypotheses, known, strict=True):
             best = hyps[0]
             words = self.model.words(best)
             locs = None
             if best.locations is not None:
                 locs = [divmod(int(s), g) for s in best.locations]
-            results.append(CaptionResult(
-                caption=" ".join(words), words=words, score=best.score, log_prob=best.log_prob,
-                attention=best.alphas.float().cpu().numpy().reshape(len(words), g, g),
-                locations=locs,
-                beams=[(" ".join(self.model.words(h)), h.score) for h in hyps],
-            ))
+            results.append(
+                CaptionResult(
+                    caption=" ".join(words),
+                    words=words,
+                    score=best.score,
+                    log_prob=best.log_prob,
+                    attention=best.alphas.float().cpu().numpy().reshape(len(words), g, g),
+                    locations=locs,
+                    beams=[(" ".join(self.model.words(h)), h.score) for h in hyps],
+                    warning=scorer.warning(fam) if scorer is not None else None,
+                    familiarity=fam,
+                )
+            )
         return results
 
     def caption_batch(self, images: torch.Tensor, **decoding) -> list[CaptionResult]:
@@ -151,12 +186,15 @@ class Captioner:
         batch = torch.stack([preprocess(im, self.input_size) for im in decoded])
         results = self.caption_batch(batch, **decoding)
         for img, result in zip(decoded, results, strict=True):
-            result.warning = image_warning(img)
+            result.add_warning(image_warning(img))
         return results
 
 
-def load_model(path: str | Path | Sequence[str | Path] | None = None, device: str = "auto",
-               precision: str = "32") -> Captioner:
+def load_model(
+    path: str | Path | Sequence[str | Path] | None = None,
+    device: str = "auto",
+    precision: str = "32",
+) -> Captioner:
     """Load a model for captioning: a model file, a model's name (`sat models`), ``A+B`` or a
     list of them for an ensemble (decoded with the first one's stored settings), or None for
     the default model ($SAT_MODEL, else the bundled default). ``precision``: "32", "bf16" or
@@ -169,8 +207,9 @@ def load_model(path: str | Path | Sequence[str | Path] | None = None, device: st
         from showattendtell.ensemble import EnsembleModel
 
         model = EnsembleModel([m for m, _, _ in loaded], [p.stem for p in paths])
-    return Captioner(model, decoding, device, name="+".join(p.stem for p in paths),
-                     precision=precision)
+    return Captioner(
+        model, decoding, device, name="+".join(p.stem for p in paths), precision=precision
+    )
 
 
 def caption_images(captioner: Captioner, images: list, **decoding) -> list[CaptionResult]:

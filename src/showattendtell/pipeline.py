@@ -181,5 +181,5 @@ def caption_files(captioner: Captioner, paths: Sequence[str | Path],
                 yield Record(item.path, error=item.error)
             else:
                 result = next(it)
-                result.warning = item.warning
+                result.add_warning(item.warning)
                 yield Record(item.path, result=result)

@@ -1,0 +1,183 @@
+"""Familiarity (familiarity.py): calibration against the index's own photos, the threshold and its
+warning, the score in every result (Python, JSON Lines, CSV) and None for models without an
+index."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from synthetic import write_photos
+
+from showattendtell import familiarity
+from showattendtell.cli import main
+from showattendtell.consensus import ConsensusIndex
+from showattendtell.decoding import DecodingConfig
+from showattendtell.familiarity import WARNING, Familiarity
+from showattendtell.inference import CaptionResult, load_model
+from showattendtell.model_file import read_model, save_model
+
+DIM = 32
+
+
+def clustered(rng: np.random.Generator, n: int, centres: torch.Tensor) -> torch.Tensor:
+    """``n`` embeddings around the given centres (photos of a few kinds of scene)."""
+    which = torch.as_tensor(rng.integers(len(centres), size=n))
+    noise = torch.as_tensor(rng.standard_normal((n, centres.shape[1])), dtype=torch.float32)
+    return centres[which] + 0.35 * noise
+
+
+@pytest.fixture(scope="module")
+def scene():
+    rng = np.random.default_rng(0)
+    centres = torch.zeros(4, DIM)
+    centres[:, :4] = torch.eye(4) * 2.0  # four kinds of photo, in 4 of the 32 dimensions
+    index = ConsensusIndex(clustered(rng, 400, centres), [["a caption"]] * 400, neighbours=5)
+    return rng, centres, index
+
+
+def test_new_photos_like_the_training_photos_are_calibrated_uniformly(scene):
+    rng, centres, index = scene
+    scorer = Familiarity(index, neighbours=5)
+    reference = scorer.reference()
+    assert len(reference) == 400 and np.all(np.diff(reference) >= 0)
+    # photos drawn as the training photos were: their familiarity is about uniform on [0, 1]
+    fam = scorer.score(clustered(rng, 2000, centres))
+    assert fam.min() >= 0.0 and fam.max() <= 1.0
+    assert abs(fam.mean() - 0.5) < 0.06
+    assert abs(np.mean(fam < 0.1) - 0.1) < 0.05 and abs(np.mean(fam > 0.9) - 0.1) < 0.05
+
+
+def test_photos_unlike_the_training_photos_score_near_zero_and_are_warned(scene):
+    rng, centres, index = scene
+    scorer = Familiarity(index, neighbours=5)
+    strangers = torch.zeros(50, DIM)
+    strangers[:, 4:] = torch.as_tensor(rng.standard_normal((50, DIM - 4)), dtype=torch.float32)
+    fam = scorer.score(strangers)
+    assert fam.max() < 0.02
+    assert all(scorer.warning(float(f)) == WARNING for f in fam)
+    typical = scorer.score(centres)  # the very centre of each kind of photo
+    assert typical.min() > 0.9 and all(scorer.warning(float(f)) is None for f in typical)
+
+
+def test_the_warning_comes_below_the_threshold_only(scene):
+    _, _, index = scene
+    scorer = Familiarity(index, threshold=0.2)
+    assert scorer.warning(0.19) == WARNING
+    assert scorer.warning(0.2) is None and scorer.warning(0.9) is None
+    assert scorer.warning(None) is None
+    assert Familiarity(index).threshold == familiarity.THRESHOLD
+    with pytest.raises(ValueError, match="threshold"):
+        Familiarity(index, threshold=1.5)
+
+
+def test_the_calibration_leaves_each_photo_out_and_is_computed_once(scene):
+    _, _, index = scene
+    two = ConsensusIndex(torch.tensor([[1.0, 0.0], [0.6, 0.8]]), [["a"], ["b"]], neighbours=1)
+    scorer = Familiarity(two, neighbours=10)  # at most the other photos: 1
+    assert scorer.neighbours == 1
+    np.testing.assert_allclose(scorer.reference(), [0.6, 0.6], atol=1e-6)  # not itself (1.0)
+    assert scorer.reference() is scorer.reference()
+    assert familiarity.for_index(index) is familiarity.for_index(index)
+    assert familiarity.for_index(None) is None
+    with pytest.raises(ValueError, match="at least 2"):
+        Familiarity(ConsensusIndex(torch.ones(1, 2), [["a"]], neighbours=1))
+
+
+def test_results_carry_the_familiarity_and_none_without_an_index(tiny_model_file, tmp_path):
+    photos = write_photos(tmp_path, 3, seed=4)
+    captioner = load_model(tiny_model_file, "cpu")
+    assert captioner.model.consensus is None
+    for r in captioner.caption(photos):
+        assert r.familiarity is None and r.warning is None
+        assert r.to_dict()["familiarity"] is None and "warning" not in r.to_dict()
+    # an index of the training photos: these photos are like them
+    grids = captioner.encode(torch.stack([captioner.preprocess(p) for p in photos]))
+    pooled = ConsensusIndex.pool(grids)
+    dim = pooled.shape[1]
+    like = pooled.repeat(10, 1) + 0.01 * torch.randn(30, dim)
+    captioner.model.consensus = ConsensusIndex(like, [["red circle"]] * 30, neighbours=3)
+    results = captioner.caption(photos)
+    for r in results:
+        assert 0.5 < r.familiarity <= 1.0 and r.warning is None
+        assert r.to_dict()["familiarity"] == round(r.familiarity, 4)
+    # an index of photos unlike them: the results say so
+    unlike = -pooled.repeat(10, 1) + 0.01 * torch.randn(30, dim)
+    captioner.model.consensus = ConsensusIndex(unlike, [["red circle"]] * 30, neighbours=3)
+    for r in captioner.caption(photos):
+        assert r.familiarity == 0.0 and r.warning == WARNING
+        json.dumps(r.to_dict(), allow_nan=False)
+    # a tiny photo that is also unfamiliar keeps both warnings
+    Image.new("RGB", (1, 1), (255, 0, 0)).save(tmp_path / "pixel.png")
+    r = captioner.caption([tmp_path / "pixel.png"])[0]
+    assert "1x1" in r.warning and WARNING in r.warning
+
+
+def test_add_warning_keeps_earlier_warnings():
+    r = CaptionResult("a", ["a"], -1.0, -1.0, np.zeros((1, 2, 2)), None, [])
+    r.add_warning(None)
+    assert r.warning is None
+    r.add_warning("first")
+    r.add_warning("second")
+    assert r.warning == "first; second"
+
+
+def _model_with_an_index_unlike(tiny_model_file, photo: str, out) -> str:
+    """The tiny model saved with an index of photos unlike ``photo`` (all of them far away)."""
+    model, _, _ = read_model(tiny_model_file)
+    captioner = load_model(tiny_model_file, "cpu")
+    pooled = ConsensusIndex.pool(captioner.encode(captioner.preprocess(photo)[None]))
+    rows = -pooled.repeat(12, 1) + 0.01 * torch.randn(12, pooled.shape[1])
+    model.consensus = ConsensusIndex(rows, [["a red circle"]] * 12, neighbours=4)
+    return str(save_model(model, out, DecodingConfig(beam_size=2)))
+
+
+def test_cli_records_carry_familiarity_and_warning(tiny_model_file, tmp_path, capsys):
+    photo = write_photos(tmp_path, 1, seed=6)[0]
+    indexed = _model_with_an_index_unlike(tiny_model_file, photo, tmp_path / "m.safetensors")
+    assert main(["caption", photo, "--model", indexed, "--workers", "0"]) == 0
+    captured = capsys.readouterr()
+    rec = json.loads(captured.out.strip().splitlines()[-1])
+    assert rec["familiarity"] == 0.0 and rec["warning"] == WARNING
+    assert f"warning: {photo}: {WARNING}" in captured.err
+    out = tmp_path / "out.csv"
+    assert (
+        main(
+            [
+                "caption",
+                photo,
+                "--model",
+                indexed,
+                "--workers",
+                "0",
+                "-o",
+                str(out),
+                "--format",
+                "csv",
+            ]
+        )
+        == 0
+    )
+    row = next(csv.DictReader(out.open(encoding="utf-8")))
+    assert float(row["familiarity"]) == 0.0 and row["warning"] == WARNING
+    # a model without an index: the field is there, empty (null in JSON)
+    capsys.readouterr()
+    assert main(["caption", photo, "--model", str(tiny_model_file), "--workers", "0"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["familiarity"] is None and "warning" not in rec
+
+
+def test_resume_keeps_a_csv_file_written_before_the_familiarity_column(tiny_model_file, tmp_path):
+    photos = write_photos(tmp_path, 2, seed=7)
+    out = tmp_path / "old.csv"
+    old = f"path,caption,score,log_prob,error,warning\n{photos[0]},a red circle,-1.0,-2.0,,\n"
+    out.write_text(old)
+    args = ["caption", *photos, "--model", str(tiny_model_file), "--workers", "0"]
+    assert main([*args, "-o", str(out), "--resume"]) == 0
+    lines = out.read_text().splitlines()
+    assert out.read_text().startswith(old) and len(lines) == 3
+    assert lines[2].startswith(photos[1]) and lines[2].count(",") == 5  # the file's own layout
