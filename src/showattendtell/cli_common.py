@@ -1,31 +1,41 @@
-"""Argument helpers shared by the `sat` subcommands (kept import-light: no torch here)."""
+"""Argument helpers shared by the `sat` subcommands.
+
+The decoding flags are made from ``showattendtell.decoding.DECODING_OPTIONS`` (imported when a
+parser is built), the table the web service's controls and API inputs are made from too.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-DECODING_OPTIONS = ("beam_size", "max_length", "length_penalty", "hard_mode", "no_repeat_ngram",
-                    "rerank")
+MODEL_HELP = ("model file or name (`sat models`; default: $SAT_MODEL or the bundled model), or "
+              "A+B for an ensemble of models that share an encoder")
+
+
+def add_model_arg(p: argparse.ArgumentParser, menu: bool = False) -> None:
+    """``--model``, the one declaration for every subcommand; ``menu``: repeatable (`sat serve`'s
+    model menu, one entry per --model)."""
+    if menu:
+        p.add_argument("--model", action="append", metavar="MODEL",
+                       help=f"{MODEL_HELP}; repeat for a model menu (each named by its file "
+                            "stem; default: the bundled default model, then the others)")
+    else:
+        p.add_argument("--model", default=None, help=MODEL_HELP)
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    """The decoding options; each defaults to the value stored in the model file. Their ranges
-    are checked by ``DecodingConfig`` (decoding.py), the one place for the CLI, API and service."""
+    """The decoding options, one flag per ``DecodingConfig`` field (its ``option`` metadata);
+    each defaults to None, the value stored in the model file. ``DecodingConfig`` checks the
+    ranges, the one place for the CLI, API and service."""
+    from showattendtell.decoding import DECODING_OPTIONS
+
     g = p.add_argument_group("decoding (default: the model file's stored settings; "
                              "`sat models` lists them)")
-    g.add_argument("--beam-size", type=int, default=None, help="beam width, 1-20 (1: greedy)")
-    g.add_argument("--max-length", type=int, default=None, help="maximum words per caption, 1-100")
-    g.add_argument("--length-penalty", type=float, default=None,
-                   help="rank beams by log p / length**alpha, alpha from 0 to 5")
-    g.add_argument("--hard-mode", default=None, metavar="{argmax,sample,expectation}",
-                   help="hard attention only: attend to the most likely location (argmax), a "
-                        "sampled one (sample), or use the expected context (expectation)")
-    g.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
-                   help="never repeat an N-word sequence within a caption (0: allow)")
-    g.add_argument("--rerank", default=None, metavar="{none,consensus}",
-                   help="consensus: choose among the beam's captions the one that best agrees "
-                        "with the captions of similar training photos (models with a "
-                        "consensus index; `sat models` says which)")
+    types = {"int": int, "float": float}
+    for opt in DECODING_OPTIONS.values():
+        metavar = opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.choices else None)
+        g.add_argument(opt.flag, dest=opt.name, type=types.get(opt.kind), default=None,
+                       metavar=metavar, help=opt.help)
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +49,7 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 def decoding_overrides(args: argparse.Namespace) -> dict:
     """The decoding options given on the command line (None: the model's default), checked now,
     before a model is loaded: a DecodingError (exit status 2) names the bad one."""
-    from showattendtell.decoding import DecodingConfig
+    from showattendtell.decoding import DECODING_OPTIONS, DecodingConfig
 
     given = {k: getattr(args, k) for k in DECODING_OPTIONS}
     DecodingConfig().with_overrides(**given)

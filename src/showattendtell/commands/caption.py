@@ -28,7 +28,12 @@ from showattendtell.caption_output import (
     prepare_folder,
     scan_output,
 )
-from showattendtell.cli_common import add_decoding_args, add_device_args, decoding_overrides
+from showattendtell.cli_common import (
+    add_decoding_args,
+    add_device_args,
+    add_model_arg,
+    decoding_overrides,
+)
 from showattendtell.errors import UsageError, UserError
 from showattendtell.pipeline import DEFAULT_BATCH_SIZE, Record, default_workers
 
@@ -68,9 +73,7 @@ def add_parser(sub) -> None:
     p.add_argument("--lanes", type=int, default=None,
                    help="batches captioned at once, each on its share of the threads (default: "
                         "2 on a CPU with 2 or more threads, else 1)")
-    p.add_argument("--model", default=None,
-                   help="model file or name (`sat models`; default: the bundled model), or A+B "
-                        "for an ensemble of models that share an encoder")
+    add_model_arg(p)
     p.add_argument("--devices", type=int, default=1, metavar="N",
                    help="captioning processes on this machine (default 1): one per GPU with "
                         "--device cuda/auto on a GPU machine, else CPU processes sharing the "

@@ -24,7 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from showattendtell.cli_common import add_decoding_args, add_device_args, decoding_overrides
+from showattendtell.cli_common import (
+    add_decoding_args,
+    add_device_args,
+    add_model_arg,
+    decoding_overrides,
+)
 from showattendtell.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -43,9 +48,7 @@ def add_parser(sub) -> None:
         description="Caption every image of a split with a model and score the captions with the "
                     "official COCO caption toolkit. Prints the scores as one JSON object on the "
                     "last line of standard output.")
-    p.add_argument("--model", default=None,
-                   help="model file or name (`sat models`; default: the bundled model), or A+B "
-                        "for an ensemble of models that share an encoder")
+    add_model_arg(p)
     p.add_argument("--dataset", required=True, choices=DATASET_CHOICES,
                    help="coco (official files, or Karpathy's split with dataset_coco.json), "
                         "flickr8k (original release files), karpathy (dataset_*.json)")
