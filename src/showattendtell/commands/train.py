@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from showattendtell.config_files import BASE_KEY, expand_bases
 from showattendtell.data.datamodule import CaptionDataModule
 from showattendtell.distributed import Processes, share_batches
 from showattendtell.errors import UsageError
@@ -80,8 +81,15 @@ class SatCLI(LightningCLI):
         # the training captions.
         parser.link_arguments("model.encoder", "data.encoder", apply_on="parse")
         parser.link_arguments("data.vocab_words", "model.vocab", apply_on="instantiate")
+        # a config file's base (config_files.py): build_cli already put it before the file
+        parser.add_argument(f"--{BASE_KEY}", type=str | None, default=None,
+                            help="in a config file: the config it builds on (relative to it)")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="resume training from this checkpoint (e.g. .../last.ckpt)")
+
+    def before_instantiate_classes(self) -> None:
+        # the run's saved config.yaml is the whole resolved config: it builds on no other file
+        self.config[BASE_KEY] = None
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         """The Trainer with the run's loggers and checkpoints (and any the config adds)."""
@@ -135,6 +143,7 @@ def _check_config_files(args: list[str]) -> None:
 
 
 def build_cli(args: list[str]) -> SatCLI:
+    args = expand_bases(args)  # --config OVERLAY -> --config BASE --config OVERLAY
     _check_config_files(args)
     # The frozen encoder stays in eval mode on purpose (BatchNorm statistics are not trained).
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
