@@ -1,8 +1,10 @@
-"""What the README says can be run, runs: every `sat` command line in its code blocks parses with
-the current command line, and its lists of commands and options match the parsers."""
+"""What the README and the documents say can be run, runs: every `sat` command line in their code
+blocks parses with the current command line, the scripts they name exist, their links lead
+somewhere, their lists of commands and modules match the code, and they keep to their lengths."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -12,18 +14,56 @@ import pytest
 from showattendtell.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "src/showattendtell/bundled/README.md",
+    ROOT / "benchmarks/README.md",
+    ROOT / "data/README.md",
+    ROOT / "configs/experiments/README.md",
+    ROOT / "CHANGELOG.md",
+]
 README = (ROOT / "README.md").read_text()
+BLOCK = re.compile(r"```(bash|console|yaml)\n(.*?)```", re.S)
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 
 
-def code_block_commands() -> list[str]:
-    commands = []
-    for block in re.findall(r"```(?:bash|console)\n(.*?)```", README, re.S):
+def shell_lines(text: str) -> list[str]:
+    """The command lines of the bash/console blocks: continuations joined, comments, prompts and
+    leading VAR=value assignments dropped."""
+    lines = []
+    for kind, block in BLOCK.findall(text):
+        if kind == "yaml":
+            continue
         for line in block.replace("\\\n", " ").splitlines():
-            line = line.strip().removeprefix("$ ")
-            line = re.split(r"\s+#", line)[0].strip()
-            if line.startswith("sat "):
-                commands.append(line)
-    return commands
+            line = re.split(r"\s+#", line.strip().removeprefix("$ "))[0].strip()
+            if line and not line.startswith("#"):
+                words = shlex.split(line)
+                while words and ENV_ASSIGNMENT.match(words[0]):
+                    words.pop(0)
+                if words:
+                    lines.append(shlex.join(words))
+    return lines
+
+
+def sat_commands() -> list[tuple[str, str]]:
+    return [
+        (doc.relative_to(ROOT).as_posix(), line)
+        for doc in DOCS
+        for line in shell_lines(doc.read_text())
+        if line.startswith("sat ")
+    ]
+
+
+def named_yaml_files() -> dict[str, str]:
+    """YAML blocks that start with a `# NAME.yaml` line: files a documented command names."""
+    files = {}
+    for doc in DOCS:
+        for kind, block in BLOCK.findall(doc.read_text()):
+            first = block.splitlines()[0] if block else ""
+            if kind == "yaml" and re.fullmatch(r"# [\w./-]+\.yaml", first):
+                files[first[2:]] = block
+    return files
 
 
 def subparsers() -> dict:
@@ -32,22 +72,53 @@ def subparsers() -> dict:
     return action.choices
 
 
-def test_the_readme_has_sat_commands():
-    assert len(code_block_commands()) >= 20
+def test_the_documents_have_sat_commands():
+    assert len(sat_commands()) >= 40
+    assert {doc for doc, _ in sat_commands()} >= {
+        "README.md",
+        "docs/training.md",
+        "docs/captioning.md",
+        "docs/decoding.md",
+    }
 
 
-@pytest.mark.parametrize("command", code_block_commands())
-def test_every_readme_command_parses(command, monkeypatch):
+@pytest.mark.parametrize("doc, command", sat_commands())
+def test_every_documented_command_parses(doc, command, monkeypatch, tmp_path):
     argv = shlex.split(command)[1:]
-    monkeypatch.chdir(ROOT)  # configs/... are relative to the repository
+    # run where configs/ is and where the documents' own example config files are written
+    for name in ("configs", "src"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    for name, content in named_yaml_files().items():
+        (tmp_path / name).write_text(content)
+    monkeypatch.chdir(tmp_path)
     if argv[0] in ("train", "features"):
         from showattendtell.commands.train import build_cli
 
         with pytest.raises(SystemExit) as e:  # --print_config parses, prints and exits
             build_cli([*argv[1:], "--print_config"])
-        assert e.value.code in (0, None), command
+        assert e.value.code in (0, None), (doc, command)
         return
     build_parser().parse_args(argv)  # a bad option would exit 2 here
+
+
+def test_the_scripts_the_documents_run_exist():
+    for doc in DOCS:
+        for line in shell_lines(doc.read_text()):
+            words = line.split()
+            if words[0] != "python" or len(words) < 2:
+                continue
+            if words[1] == "-m" and words[2].startswith("benchmarks."):
+                assert (ROOT / (words[2].replace(".", "/") + ".py")).is_file(), (doc, line)
+            elif words[1].endswith(".py"):
+                assert (ROOT / words[1]).is_file(), (doc, line)
+
+
+def test_relative_links_lead_to_files():
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            assert (doc.parent / target).exists(), (doc.relative_to(ROOT), target)
 
 
 def test_the_commands_table_lists_every_subcommand():
@@ -59,9 +130,26 @@ def test_the_commands_table_lists_every_subcommand():
 @pytest.mark.parametrize("name", ["caption", "evaluate", "serve"])
 def test_commands_that_read_a_model_take_the_documented_options(name):
     options = {o for a in subparsers()[name]._actions for o in a.option_strings}
-    for option in ("--model", "--device", "--precision", "--beam-size", "--max-length",
-                   "--length-penalty", "--no-repeat-ngram", "--hard-mode"):
+    for option in (
+        "--model",
+        "--device",
+        "--precision",
+        "--beam-size",
+        "--max-length",
+        "--length-penalty",
+        "--no-repeat-ngram",
+        "--hard-mode",
+        "--rerank",
+    ):
         assert option in options, (name, option)
+
+
+def test_every_decoding_option_is_documented():
+    from showattendtell.decoding import DecodingConfig
+
+    decoding = (ROOT / "docs/decoding.md").read_text()
+    for field in DecodingConfig.__dataclass_fields__:
+        assert f"--{field.replace('_', '-')}" in decoding and f"`{field}`" in decoding, field
 
 
 def test_export_stores_the_decoding_options():
@@ -74,9 +162,61 @@ def test_tiny_config_needs_a_data_root_and_says_so():
     assert "--data.root" in (ROOT / "configs" / "tiny.yaml").read_text()
 
 
-def test_layout_names_every_module():
-    layout = README.split("<!-- section: layout -->", 1)[1]
+def test_the_layout_names_every_module():
+    layout = (ROOT / "docs/architecture.md").read_text().split("<!-- section: layout -->", 1)[1]
     package = ROOT / "src" / "showattendtell"
-    for f in [*package.glob("*.py"), *package.glob("commands/*.py")]:
+    modules = [*package.glob("*.py"), *package.glob("commands/*.py"), *package.glob("data/*.py")]
+    for f in modules:
         if f.stem != "__init__":
             assert f.name in layout, f.name
+
+
+def test_the_validation_scores_named_are_the_ones_logged():
+    logged = (ROOT / "src/showattendtell/lit_module.py").read_text()
+    for doc in [*DOCS, *sorted((ROOT / "configs").rglob("*.yaml"))]:
+        for name in set(re.findall(r"\bval/(\w+)", doc.read_text())):
+            assert f'"{name}"' in logged or f'"val/{name}"' in logged, (doc.name, name)
+
+
+@pytest.mark.parametrize(
+    "doc, limit",
+    [
+        ("README.md", 250),
+        ("docs/experiments.md", 80),
+        ("src/showattendtell/bundled/README.md", 120),
+    ],
+)
+def test_lengths(doc, limit):
+    lines = (ROOT / doc).read_text().splitlines()
+    assert len(lines) <= limit, (doc, len(lines))
+    if "bundled" in doc:
+        assert max(map(len, lines)) <= 200
+
+
+# machine paths spelt in pieces, so that this file does not match itself
+MACHINE_PATHS = "|".join(re.escape(f"/{name}/") for name in ("root", "work")) + r"|/home/\w+/"
+HISTORY = re.compile(
+    r"\bsessions? \d+|issue #?\d+|#1\d\b|git show [0-9a-f]{6,}:|" + MACHINE_PATHS, re.I
+)
+
+
+def test_nothing_speaks_of_development_history():
+    """Documents and code say what is, not how it came to be: no work sessions, internal issue
+    numbers, machine paths or `git show` recipes."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if not d.startswith(".")
+            and d not in ("runs", "cache", "models", "build", "node_modules")
+            and not d.endswith(".egg-info")
+        ]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.suffix not in (".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg"):
+                continue
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if HISTORY.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)
