@@ -168,11 +168,13 @@ def test_a_bad_base_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
-def test_the_saved_run_config_builds_on_nothing(tmp_path):
+def test_the_saved_run_config_builds_on_nothing(tmp_path, synthetic_flickr):
     """The config a run saves is complete: reusing it must not look for its base next to it."""
     (tmp_path / "overlay.yaml").write_text(
         f"_base_: {ROOT / 'configs/tiny.yaml'}\nrun: {{dir: {tmp_path / 'run'}}}\n"
     )
-    cli = build_cli(["--config", str(tmp_path / "overlay.yaml"), "--data.root", str(tmp_path)])
+    cli = build_cli(
+        ["--config", str(tmp_path / "overlay.yaml"), "--data.root", str(synthetic_flickr)]
+    )
     assert cli.config[BASE_KEY] is None
     assert cli.config.model.decoder.hidden_dim == 32  # tiny.yaml's, through the overlay
