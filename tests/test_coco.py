@@ -1,4 +1,4 @@
-"""COCO from the command line, end to end, on real COCO 2017 photos (issue #17): `sat train` with
+"""COCO from the command line, end to end, on real COCO 2017 photos: `sat train` with
 configs/coco_lite2_{soft,hard}.yaml, `sat export`, `sat evaluate`, in the official 2017 layout and
 with Karpathy's dataset_coco.json. A pipeline check on 80 + 40 photos with a small decoder and one
 short epoch, not a trained model: the scores are not looked at, only that each step works."""

@@ -127,7 +127,7 @@ def test_a_model_is_bundled_and_is_the_default():
 
 
 def test_bundled_files_are_float16_and_100_mb_together():
-    """Issue #18's size budget; a re-export without --half doubles a file (it happened)."""
+    """The bundled files stay under 100 MB together: a re-export without --half doubles a file."""
     from safetensors import safe_open
 
     files = bundled_models()
