@@ -18,8 +18,24 @@ from showattendtell.inference import load_model
 from showattendtell.metrics import CiderDReward
 from showattendtell.model_file import describe_model, read_model, save_model
 
-WORDS = ["a", "the", "dog", "dogs", "man", "woman", "runs", "jumps", "on", "in", "grass",
-         "snow", "red", "blue", "ball", "field"]
+WORDS = [
+    "a",
+    "the",
+    "dog",
+    "dogs",
+    "man",
+    "woman",
+    "runs",
+    "jumps",
+    "on",
+    "in",
+    "grass",
+    "snow",
+    "red",
+    "blue",
+    "ball",
+    "field",
+]
 
 
 def random_captions(rng: np.random.Generator, n: int) -> list[str]:
@@ -34,8 +50,12 @@ def test_cider_d_is_the_toolkits_with_the_training_idf():
     reward = CiderDReward(references)  # pycocoevalcap's arithmetic, the same idf
     for trial in range(20):
         photos = rng.choice(40, size=10, replace=False).tolist()
-        candidates = [*random_captions(rng, 4), "", "zebra zebra on the moon",
-                      " ".join(references[photos[0]][0].split())]  # an exact reference
+        candidates = [
+            *random_captions(rng, 4),
+            "",
+            "zebra zebra on the moon",
+            " ".join(references[photos[0]][0].split()),
+        ]  # an exact reference
         ours = index.cider_d(candidates, photos)
         theirs = reward(candidates, [[c for p in photos for c in references[p]]] * 7)
         np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-12, err_msg=str(trial))
@@ -46,8 +66,10 @@ def test_cider_d_gives_the_same_scores_from_concurrent_threads():
     rng = np.random.default_rng(1)
     references = [random_captions(rng, 5) for _ in range(30)]
     index = ConsensusIndex(torch.randn(30, 4), references, neighbours=5)
-    jobs = [(random_captions(rng, 3), rng.choice(30, size=5, replace=False).tolist())
-            for _ in range(200)]
+    jobs = [
+        (random_captions(rng, 3), rng.choice(30, size=5, replace=False).tolist())
+        for _ in range(200)
+    ]
     alone = [index.cider_d(c, p) for c, p in jobs]
     with ThreadPoolExecutor(4) as pool:  # the pipeline's lanes rerank at the same time
         together = list(pool.map(lambda job: index.cider_d(*job), jobs))
@@ -58,8 +80,12 @@ def test_cider_d_gives_the_same_scores_from_concurrent_threads():
 def test_nearest_photos_by_cosine_of_the_pooled_grids():
     embeddings = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.0]])
     index = ConsensusIndex(embeddings, [["x"]] * 4, neighbours=2)
-    grids = torch.tensor([[[2.0, 0.1], [2.0, -0.1]],  # pooled (2, 0): photo 0, then 2
-                          [[0.0, 3.0], [0.2, 3.0]]])  # pooled (0.1, 3): photo 1, then 2
+    grids = torch.tensor(
+        [
+            [[2.0, 0.1], [2.0, -0.1]],  # pooled (2, 0): photo 0, then 2
+            [[0.0, 3.0], [0.2, 3.0]],
+        ]
+    )  # pooled (0.1, 3): photo 1, then 2
     assert ConsensusIndex.pool(grids).shape == (2, 2)
     assert index.nearest(ConsensusIndex.pool(grids)).tolist() == [[0, 2], [1, 2]]
     with pytest.raises(ValueError, match="neighbours"):
@@ -74,8 +100,9 @@ def _index_agreeing_with(model, caption: str, dim: int) -> ConsensusIndex:
     return ConsensusIndex(torch.randn(6, dim), refs, neighbours=6)
 
 
-def test_rerank_puts_the_beams_caption_that_agrees_with_the_neighbours_first(tiny_model_file,
-                                                                            tmp_path):
+def test_rerank_puts_the_beams_caption_that_agrees_with_the_neighbours_first(
+    tiny_model_file, tmp_path
+):
     captioner = load_model(tiny_model_file, "cpu")
     photos = write_photos(tmp_path, 3, seed=5)
     plain = captioner.caption(photos, beam_size=5)
@@ -92,8 +119,7 @@ def test_rerank_puts_the_beams_caption_that_agrees_with_the_neighbours_first(tin
         # the words' attention maps are the chosen caption's own
         assert reranked.attention.shape[0] == len(reranked.words) == len(last.split())
     # without --rerank the stored decoding ("none") decodes as before
-    assert [r.caption for r in captioner.caption(photos, beam_size=5)] == \
-        [r.caption for r in plain]
+    assert [r.caption for r in captioner.caption(photos, beam_size=5)] == [r.caption for r in plain]
 
 
 def test_rerank_without_an_index_is_a_clear_error(tiny_model_file, tmp_path):
@@ -108,14 +134,19 @@ def test_the_index_travels_in_the_model_file(tiny_model_file, tmp_path):
     model, decoding, info = read_model(tiny_model_file)
     assert model.consensus is None and describe_model(tiny_model_file)["consensus_photos"] == 0
     model.consensus = _index_agreeing_with(model, "a red circle", model.encoder.config.feature_dim)
-    out = save_model(model, tmp_path / "with_index.safetensors",
-                     DecodingConfig(beam_size=4, rerank="consensus"), half=True)
+    out = save_model(
+        model,
+        tmp_path / "with_index.safetensors",
+        DecodingConfig(beam_size=4, rerank="consensus"),
+        half=True,
+    )
     again, stored, _ = read_model(out)
     assert stored.rerank == "consensus" and stored.beam_size == 4
     assert again.consensus.references == model.consensus.references
     assert again.consensus.neighbours == 6
-    torch.testing.assert_close(again.consensus.embeddings, model.consensus.embeddings,
-                               atol=2e-3, rtol=0)
+    torch.testing.assert_close(
+        again.consensus.embeddings, model.consensus.embeddings, atol=2e-3, rtol=0
+    )
     assert describe_model(out)["consensus_photos"] == 6
     assert set(again.state_dict()) == set(model.state_dict())  # the index is no weight
     from safetensors.torch import load_file
@@ -124,53 +155,114 @@ def test_the_index_travels_in_the_model_file(tiny_model_file, tmp_path):
     assert stored_rows.dtype == torch.int8  # a quarter of float32, scales per row beside
     # an index stored as float16 (files written before the int8 format) loads the same way
     tensors, description = model.consensus.to_file()
-    as_half = ConsensusIndex.from_file({"embeddings": model.consensus.embeddings.half()},
-                                       description)
+    as_half = ConsensusIndex.from_file(
+        {"embeddings": model.consensus.embeddings.half()}, description
+    )
     torch.testing.assert_close(as_half.embeddings, model.consensus.embeddings, atol=2e-3, rtol=0)
     assert set(tensors) == {"embeddings", "scales"}
 
 
-def test_export_builds_an_index_and_caption_uses_it(tiny_model_file, synthetic_flickr, tmp_path,
-                                                    capsys):
+def test_export_builds_an_index_and_caption_uses_it(
+    tiny_model_file, synthetic_flickr, tmp_path, capsys
+):
     out = tmp_path / "indexed.safetensors"
-    assert main(["export", str(tiny_model_file), str(out), "--consensus-root",
-                 str(synthetic_flickr), "--consensus-neighbours", "5", "--rerank", "consensus",
-                 "--beam-size", "3"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(tiny_model_file),
+                str(out),
+                "--consensus-root",
+                str(synthetic_flickr),
+                "--consensus-neighbours",
+                "5",
+                "--rerank",
+                "consensus",
+                "--beam-size",
+                "3",
+            ]
+        )
+        == 0
+    )
     model, stored, info = read_model(out)
     assert stored.rerank == "consensus" and model.consensus.neighbours == 5
     assert len(model.consensus.references) == 24  # the synthetic training split
-    assert all(c == c.lower() and "." not in c for refs in model.consensus.references
-               for c in refs)  # tokenised as the training captions are
+    assert all(
+        c == c.lower() and "." not in c for refs in model.consensus.references for c in refs
+    )  # tokenised as the training captions are
     assert "train (24 photos)" in info["consensus"]
     capsys.readouterr()
     photo = write_photos(tmp_path, 1, seed=3)[0]
     assert main(["caption", photo, "--model", str(out)]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["caption"]
     # a model without an index: exit status 2 and one line that says what to do
-    assert main(["caption", photo, "--model", str(tiny_model_file), "--rerank",
-                 "consensus"]) == 2
+    assert main(["caption", photo, "--model", str(tiny_model_file), "--rerank", "consensus"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --rerank consensus needs") and "\n" not in err
-    assert main(["export", str(tiny_model_file), str(tmp_path / "no.safetensors"),
-                 "--rerank", "consensus"]) == 2
+    assert (
+        main(
+            [
+                "export",
+                str(tiny_model_file),
+                str(tmp_path / "no.safetensors"),
+                "--rerank",
+                "consensus",
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "no.safetensors").exists()
 
 
-def test_a_feature_cache_of_another_encoder_is_refused(tiny_model_file, synthetic_flickr,
-                                                       tmp_path, capsys):
+def test_a_feature_cache_of_another_encoder_is_refused(
+    tiny_model_file, synthetic_flickr, tmp_path, capsys
+):
     from showattendtell.data.datasets import load_flickr8k
 
     cache = tmp_path / "cache"
     cache.mkdir()
     images = load_flickr8k(synthetic_flickr, "train").images
     model, _, _ = read_model(tiny_model_file)
-    grid = model.encoder.config.grid ** 2
+    grid = model.encoder.config.grid**2
     dim = model.encoder.config.feature_dim
     rows = np.random.default_rng(0).standard_normal((len(images), grid, dim)).astype(np.float16)
     np.save(cache / "shard-00000.npy", rows)
     (cache / "shard-00000.keys.json").write_text(json.dumps([im.image_id for im in images]))
     (cache / "meta.json").write_text(json.dumps({"grid": 2, "feature_dim": dim}))
-    assert main(["export", str(tiny_model_file), str(tmp_path / "m.safetensors"),
-                 "--consensus-root", str(synthetic_flickr), "--feature-cache", str(cache)]) == 2
+    assert (
+        main(
+            [
+                "export",
+                str(tiny_model_file),
+                str(tmp_path / "m.safetensors"),
+                "--consensus-root",
+                str(synthetic_flickr),
+                "--feature-cache",
+                str(cache),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "another encoder's features" in err and not (tmp_path / "m.safetensors").exists()
+
+
+def test_build_index_from_a_dataset_in_python(tiny_model_file, synthetic_flickr):
+    from showattendtell.consensus import build_index
+    from showattendtell.data.datasets import load_flickr8k
+    from showattendtell.errors import UsageError
+
+    model, _, _ = read_model(tiny_model_file)
+    index = build_index(model, "flickr8k", synthetic_flickr, "train", neighbours=4)
+    images = load_flickr8k(synthetic_flickr, "train").images
+    assert index.neighbours == 4 and len(index.references) == len(images) == 24
+    captioner = load_model(tiny_model_file, "cpu")
+    grids = captioner.encode(torch.stack([captioner.preprocess(im.path) for im in images[:3]]))
+    torch.testing.assert_close(
+        index.embeddings[:3],
+        torch.nn.functional.normalize(ConsensusIndex.pool(grids), dim=1),
+        atol=1e-4,
+        rtol=0,
+    )
+    with pytest.raises(UsageError, match="from 1 to 24"):
+        build_index(model, "flickr8k", synthetic_flickr, "train", neighbours=25)

@@ -7,24 +7,33 @@ people wrote about the training photos that look most like this one.
 
 The model's beam proposes, the consensus chooses: captions that say what is usually said of
 such photos win over fluent but idiosyncratic ones. An index (the training photos' pooled
-grids and their tokenised captions) travels in the model file; ``sat export --consensus-*``
-builds it. The CIDEr-D arithmetic is pycocoevalcap's (tf-idf n-gram vectors up to 4-grams,
-clipped matches, a Gaussian length penalty with sigma 6, x10), written here over dense arrays
-because pycocoevalcap recomputes every reference's vectors on each call (about 30 ms a
-candidate against 300 references; here about 1 ms a photo) and takes its idf from the
-references it is given (``metrics.CiderDReward`` is the reference it is tested against).
+grids and their tokenised captions) travels in the model file; ``build_index`` builds it
+(``sat export --consensus-*``). The CIDEr-D arithmetic is pycocoevalcap's (tf-idf n-gram
+vectors up to 4-grams, clipped matches, a Gaussian length penalty with sigma 6, x10), written
+here over dense arrays because pycocoevalcap recomputes every reference's vectors on each call
+and takes its idf from the references it is given (``metrics.CiderDReward`` is the reference it
+is tested against). The same index tells how familiar a photo is (familiarity.py).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from showattendtell.inference import Captioner
+    from showattendtell.model import CaptionModel
+
+log = logging.getLogger(__name__)
 
 ORDERS = 4  # n-grams of 1 to 4 words
 SIGMA = 6.0  # CIDEr-D's length penalty
@@ -33,8 +42,9 @@ DEFAULT_NEIGHBOURS = 60  # dev, beam 5: k = 10 / 30 / 60 / 100 (model card)
 
 def ngram_counts(words: Sequence[str]) -> Counter:
     """n-gram (a tuple of 1-4 words) -> count, as pycocoevalcap's ``precook``."""
-    return Counter(tuple(words[i:i + n]) for n in range(1, ORDERS + 1)
-                   for i in range(len(words) - n + 1))
+    return Counter(
+        tuple(words[i : i + n]) for n in range(1, ORDERS + 1) for i in range(len(words) - n + 1)
+    )
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -52,16 +62,22 @@ class ConsensusIndex:
     tokenised (words joined by single spaces, as ``vocab.tokenize`` makes them).
     """
 
-    def __init__(self, embeddings: torch.Tensor, references: list[list[str]],
-                 neighbours: int = DEFAULT_NEIGHBOURS):
+    def __init__(
+        self,
+        embeddings: torch.Tensor,
+        references: list[list[str]],
+        neighbours: int = DEFAULT_NEIGHBOURS,
+    ):
         if embeddings.ndim != 2 or len(embeddings) != len(references) or not len(references):
-            raise ValueError(f"{len(references)} photos' captions for embeddings of shape "
-                             f"{tuple(embeddings.shape)}")
+            raise ValueError(
+                f"{len(references)} photos' captions for embeddings of shape "
+                f"{tuple(embeddings.shape)}"
+            )
         if not 1 <= neighbours <= len(references):
             raise ValueError(f"neighbours must be from 1 to {len(references)}, not {neighbours}")
         self.embeddings = F.normalize(embeddings.float(), dim=1)  # (N, D), unit rows
         self.references, self.neighbours = references, neighbours
-        self._tables: dict | None = None  # built on first use (about 1.5 s for Flickr8k)
+        self._tables: dict | None = None  # built on first use, not at every model load
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -84,8 +100,9 @@ class ConsensusIndex:
                 words = caption.split()
                 lengths.append(max(len(words) - 1, 0))
                 counts = ngram_counts(words)
-                row_ids = np.fromiter((ids.setdefault(g, len(ids)) for g in counts), np.int64,
-                                      len(counts))
+                row_ids = np.fromiter(
+                    (ids.setdefault(g, len(ids)) for g in counts), np.int64, len(counts)
+                )
                 rows.append((row_ids, np.fromiter(counts.values(), np.float64, len(counts))))
                 seen.update(row_ids.tolist())
             df.extend([0] * (len(ids) - len(df)))
@@ -101,11 +118,21 @@ class ConsensusIndex:
         flat_ids = np.concatenate([r[0] for r in rows]) if rows else np.zeros(0, np.int64)
         values = np.concatenate([r[1] for r in rows]) * idf[flat_ids]  # tf x idf
         norms = np.zeros((len(rows), ORDERS))  # (R, 4) per caption and order
-        np.add.at(norms, (np.repeat(np.arange(len(rows)), np.diff(ptr)), order[flat_ids]),
-                  values ** 2)
-        return {"ids": ids, "idf": idf, "log_n": log_n, "order": order, "ptr": ptr,
-                "flat_ids": flat_ids, "values": values, "norms": np.sqrt(norms),
-                "lengths": np.asarray(lengths, np.float64), "starts": np.asarray(starts)}
+        np.add.at(
+            norms, (np.repeat(np.arange(len(rows)), np.diff(ptr)), order[flat_ids]), values**2
+        )
+        return {
+            "ids": ids,
+            "idf": idf,
+            "log_n": log_n,
+            "order": order,
+            "ptr": ptr,
+            "flat_ids": flat_ids,
+            "values": values,
+            "norms": np.sqrt(norms),
+            "lengths": np.asarray(lengths, np.float64),
+            "starts": np.asarray(starts),
+        }
 
     def prepare(self) -> dict:
         """Build the CIDEr-D tables now if they are not built (once; thread-safe)."""
@@ -167,13 +194,15 @@ class ConsensusIndex:
         queries = F.normalize(embeddings.float().to(self.embeddings.device), dim=1)
         return (queries @ self.embeddings.T).topk(self.neighbours, dim=1).indices
 
-    def rerank(self, embeddings: torch.Tensor,
-               candidates: Sequence[Sequence[str]]) -> list[np.ndarray]:
+    def rerank(
+        self, embeddings: torch.Tensor, candidates: Sequence[Sequence[str]]
+    ) -> list[np.ndarray]:
         """Each photo's candidates' consensus scores (higher: more in agreement); photos as
         ``pool``'s embeddings (B, D), candidates as lists of captions (words and spaces)."""
         near = self.nearest(embeddings).cpu().numpy()
-        return [self.cider_d(c, near[b]) if len(c) else np.zeros(0)
-                for b, c in enumerate(candidates)]
+        return [
+            self.cider_d(c, near[b]) if len(c) else np.zeros(0) for b, c in enumerate(candidates)
+        ]
 
     # -- in a model file ----------------------------------------------------------------------
 
@@ -183,8 +212,10 @@ class ConsensusIndex:
         99.5 % of the dev photos' 60 neighbours unchanged (model card)."""
         scales = self.embeddings.abs().amax(1).clamp_min(1e-12) / 127  # (N,)
         codes = torch.round(self.embeddings / scales[:, None]).to(torch.int8)  # (N, D)
-        return ({"embeddings": codes.contiguous(), "scales": scales.float().contiguous()},
-                {"neighbours": self.neighbours, "references": self.references})
+        return (
+            {"embeddings": codes.contiguous(), "scales": scales.float().contiguous()},
+            {"neighbours": self.neighbours, "references": self.references},
+        )
 
     @classmethod
     def from_file(cls, tensors: dict[str, torch.Tensor], description: dict) -> ConsensusIndex:
@@ -192,3 +223,107 @@ class ConsensusIndex:
         if embeddings.dtype == torch.int8:
             embeddings = embeddings.float() * tensors["scales"].float()[:, None]
         return cls(embeddings, description["references"], int(description["neighbours"]))
+
+
+# -- building an index from a dataset (`sat export --consensus-root`) ---------------------------
+
+
+def build_index(
+    model: CaptionModel,
+    dataset: str,
+    root: str | Path,
+    split: str = "train",
+    feature_cache: str | Path | None = None,
+    neighbours: int | None = None,
+) -> ConsensusIndex:
+    """A ConsensusIndex of a split's photos for ``model``: each photo's pooled grid from the
+    model's encoder (read from ``feature_cache`` where it holds the photo, else encoded by the
+    image pipeline) and its captions, tokenised as the training captions are. Photos that do not
+    decode are left out, with a warning. Raises UsageError (one line, what to do) for a split
+    without photos, a feature cache of another encoder or ``neighbours`` out of range."""
+    from showattendtell.data.datasets import load_split
+    from showattendtell.data.feature_cache import FeatureCache
+    from showattendtell.decoding import DecodingConfig
+    from showattendtell.errors import UsageError
+    from showattendtell.inference import Captioner
+    from showattendtell.pipeline import encode_files
+    from showattendtell.progress import Progress
+    from showattendtell.vocab import tokenize
+
+    images = load_split(dataset, root, split).images
+    if not images:
+        raise UsageError(f"--consensus-root {root}: no photos of the {split} split found")
+    pooled: dict[str, torch.Tensor] = {}
+    captioner = Captioner(model, DecodingConfig())
+    if feature_cache:
+        cache = FeatureCache(feature_cache)
+        for im in images:
+            grid = cache.get(im.image_id)
+            if grid is not None:
+                pooled[im.image_id] = ConsensusIndex.pool(grid[None])[0]
+        _check_cache(
+            captioner,
+            [im for im in images if im.image_id in pooled][:4],
+            pooled,
+            str(feature_cache),
+        )
+        log.info(
+            "consensus index: %d of %d photos from the feature cache %s",
+            len(pooled),
+            len(images),
+            cache.dir,
+        )
+    todo = [im for im in images if im.image_id not in pooled]
+    if todo:
+        with Progress(len(todo), "consensus index") as progress:
+            for batch, grids in encode_files(
+                [im.path for im in todo],
+                captioner.encode,
+                captioner.input_size,
+                device=captioner.device,
+                progress=progress,
+            ):
+                rows = iter(ConsensusIndex.pool(grids).cpu() if grids is not None else [])
+                for item in batch.items:
+                    if item.error is None:
+                        pooled[todo[item.index].image_id] = next(rows)
+    model.cpu()
+    kept = [im for im in images if im.image_id in pooled]
+    if len(kept) < len(images):
+        log.warning(
+            "consensus index: %d photos did not decode and are left out", len(images) - len(kept)
+        )
+    k = DEFAULT_NEIGHBOURS if neighbours is None else neighbours
+    if not 1 <= k <= len(kept):
+        raise UsageError(
+            f"--consensus-neighbours must be from 1 to {len(kept)} (the photos "
+            f"of the index), not {k}"
+        )
+    return ConsensusIndex(
+        torch.stack([pooled[im.image_id] for im in kept]),
+        [[" ".join(tokenize(c)) for c in im.captions] for im in kept],
+        k,
+    )
+
+
+def _check_cache(
+    captioner: Captioner, images: list, pooled: dict[str, torch.Tensor], folder: str
+) -> None:
+    """The cached grids of a few photos must be what the model's encoder computes (to the
+    cache's float16 rounding): a cache of another encoder would pick wrong neighbours."""
+    from showattendtell.errors import UsageError
+
+    if not images:
+        raise UsageError(
+            f"--feature-cache {folder} holds none of the split's photos: give the "
+            "cache folder of this model's training run, or leave the option out"
+        )
+    batch = torch.stack([captioner.preprocess(im.path) for im in images])
+    ours = ConsensusIndex.pool(captioner.encode(batch)).cpu()
+    cached = torch.stack([pooled[im.image_id] for im in images])
+    if not torch.allclose(ours, cached, rtol=1e-2, atol=1e-2):
+        raise UsageError(
+            f"--feature-cache {folder} holds another encoder's features than this "
+            "model's: give the cache folder of its training run, or leave the "
+            "option out (the photos are then encoded, a few minutes on a CPU)"
+        )

@@ -70,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
                                  f"{args.interpolate}: {e}") from None
         info.update(interpolated_with=str(args.interpolate), alpha=args.alpha)
     if args.consensus_root:
-        model.consensus = build_consensus_index(
+        from showattendtell.consensus import build_index
+
+        model.consensus = build_index(
             model, args.consensus_dataset, args.consensus_root, args.consensus_split,
             args.feature_cache, args.consensus_neighbours)
         info.update(consensus=f"{args.consensus_dataset} {args.consensus_split} "
@@ -85,81 +87,3 @@ def _is_model_file(source: str) -> bool:
     from showattendtell.catalog import named_models
 
     return source.endswith(".safetensors") or source in named_models()
-
-
-def build_consensus_index(model, dataset: str, root: str, split: str,
-                          feature_cache: str | None = None, neighbours: int | None = None):
-    """A ConsensusIndex of a split's photos: each photo's pooled grid from ``model``'s encoder
-    (read from the feature cache where it holds the photo, else encoded by the image pipeline)
-    and its captions, tokenised; photos that do not decode are left out, with a warning."""
-    import logging
-
-    import torch
-
-    from showattendtell.consensus import DEFAULT_NEIGHBOURS, ConsensusIndex
-    from showattendtell.data.datasets import load_split
-    from showattendtell.data.feature_cache import FeatureCache
-    from showattendtell.decoding import DecodingConfig
-    from showattendtell.errors import UsageError
-    from showattendtell.inference import Captioner
-    from showattendtell.pipeline import encode_files
-    from showattendtell.progress import Progress
-    from showattendtell.vocab import tokenize
-
-    log = logging.getLogger(__name__)
-    images = load_split(dataset, root, split).images
-    if not images:
-        raise UsageError(f"--consensus-root {root}: no photos of the {split} split found")
-    pooled: dict[str, torch.Tensor] = {}
-    captioner = Captioner(model, DecodingConfig())
-    if feature_cache:
-        cache = FeatureCache(feature_cache)
-        for im in images:
-            grid = cache.get(im.image_id)
-            if grid is not None:
-                pooled[im.image_id] = ConsensusIndex.pool(grid[None])[0]
-        _check_cache(captioner, [im for im in images if im.image_id in pooled][:4], pooled,
-                     feature_cache)
-        log.info("consensus index: %d of %d photos from the feature cache %s", len(pooled),
-                 len(images), cache.dir)
-    todo = [im for im in images if im.image_id not in pooled]
-    if todo:
-        with Progress(len(todo), "consensus index") as progress:
-            for batch, grids in encode_files([im.path for im in todo], captioner.encode,
-                                             captioner.input_size, device=captioner.device,
-                                             progress=progress):
-                rows = iter(ConsensusIndex.pool(grids).cpu() if grids is not None else [])
-                for item in batch.items:
-                    if item.error is None:
-                        pooled[todo[item.index].image_id] = next(rows)
-    model.cpu()
-    kept = [im for im in images if im.image_id in pooled]
-    if len(kept) < len(images):
-        log.warning("consensus index: %d photos did not decode and are left out",
-                    len(images) - len(kept))
-    k = DEFAULT_NEIGHBOURS if neighbours is None else neighbours
-    if not 1 <= k <= len(kept):
-        raise UsageError(f"--consensus-neighbours must be from 1 to {len(kept)} (the photos "
-                         f"of the index), not {k}")
-    return ConsensusIndex(torch.stack([pooled[im.image_id] for im in kept]),
-                          [[" ".join(tokenize(c)) for c in im.captions] for im in kept], k)
-
-
-def _check_cache(captioner, images, pooled, folder: str) -> None:
-    """The cached grids of a few photos must be what the model's encoder computes (to the
-    cache's float16 rounding): a cache of another encoder would pick wrong neighbours."""
-    import torch
-
-    from showattendtell.consensus import ConsensusIndex
-    from showattendtell.errors import UsageError
-
-    if not images:
-        raise UsageError(f"--feature-cache {folder} holds none of the split's photos: give the "
-                         "cache folder of this model's training run, or leave the option out")
-    batch = torch.stack([captioner.preprocess(im.path) for im in images])
-    ours = ConsensusIndex.pool(captioner.encode(batch)).cpu()
-    cached = torch.stack([pooled[im.image_id] for im in images])
-    if not torch.allclose(ours, cached, rtol=1e-2, atol=1e-2):
-        raise UsageError(f"--feature-cache {folder} holds another encoder's features than this "
-                         "model's: give the cache folder of its training run, or leave the "
-                         "option out (the photos are then encoded, a few minutes on a CPU)")
