@@ -1,4 +1,4 @@
-"""Reproduce the README's Flickr8k table: features, training, export, evaluation, one command.
+"""Reproduce the bundled models and their Flickr8k table: features, training, export, evaluation.
 
     python scripts/reproduce_flickr8k.py                       # everything, from scratch
     python scripts/reproduce_flickr8k.py --skip-train \\
@@ -79,6 +79,7 @@ def train_and_export(config: str, name: str, which: str, export: list[str],
     """Features (cached), training (resumed if interrupted), export of the ``which`` checkpoint
     (best by dev CIDEr, or last) to models/NAME.safetensors."""
     run_dir = Path(yaml.safe_load(Path(config).read_text())["run"]["dir"])
+    extra = ["--data.root", root, *extra]
     sat("features", "--config", config, *extra)
     last = run_dir / "checkpoints" / "last.ckpt"
     sat("train", "--config", config, *extra, *(["--ckpt_path", str(last)] if last.exists() else []))
@@ -139,11 +140,12 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=None,
                    help="with --skip-train: the model files to score")
     p.add_argument("--skip-train", action="store_true", help="score --models only")
-    p.add_argument("--root", default="../shared/data/flickr8k", help="Flickr8k folder")
+    p.add_argument("--root", default="data/flickr8k", help="Flickr8k folder (data/README.md)")
     p.add_argument("--split", default="dev", help="Flickr8k split to score (dev; test if you "
                                                   "have its images)")
-    p.add_argument("--coco-root", default="../shared/data/coco2017_val_subset",
-                   help="COCO folder for the out-of-domain check ('' to skip)")
+    p.add_argument("--coco-root", default="",
+                   help="a COCO folder (official 2017 layout, val split) for an out-of-domain "
+                        "check (default: none)")
     p.add_argument("--beams", type=int, nargs="+", default=list(BEAMS))
     p.add_argument("--dry-run", action="store_true",
                    help="print the sat commands of the training stages without running them")

@@ -36,4 +36,8 @@ def test_each_stage_starts_from_the_model_the_stage_before_exported():
     # the bundled models carry a consensus index of the training split and rerank with it
     for export in exports[1:]:
         assert export[export.index("--rerank") + 1] == "consensus"
-        assert export[export.index("--consensus-root") + 1] == "../shared/data/flickr8k"
+        assert export[export.index("--consensus-root") + 1] == "data/flickr8k"
+    # every training stage reads the data from the script's --root
+    for c in commands:
+        if c[1] in ("train", "features"):
+            assert c[c.index("--data.root") + 1] == "data/flickr8k", c
