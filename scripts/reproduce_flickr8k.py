@@ -88,7 +88,7 @@ def train_and_export(config: str, name: str, which: str, export: list[str],
         sys.exit(f"no {which} checkpoint in {run_dir / 'checkpoints'}: did training run?")
     ckpt = ckpts[-1] if ckpts else run_dir / "checkpoints" / f"{which}-*.ckpt"
     model = Path("models") / f"{name}.safetensors"
-    sat("export", str(ckpt), str(model), "--half", "--beam-size", "3",
+    sat("export", str(ckpt), str(model), "--overwrite", "--half", "--beam-size", "3",
         *(a.replace("{root}", root) for a in export))
     return model
 
@@ -113,7 +113,7 @@ def evaluate(model: Path, dataset: str, root: str, split: str, beam: int,
     mode = ["--hard-mode", hard_mode] if hard_mode else []
     stdout = sat("evaluate", "--model", str(model), "--dataset", dataset, "--root", root,
                  "--split", split, "--beam-size", str(beam), "--no-spice", "--output", str(out),
-                 *mode)
+                 "--overwrite", *mode)
     scores = stdout.strip().splitlines()[-1]
     print(scores, file=sys.stderr, flush=True)  # progress, in the log
     return json.loads(scores)

@@ -100,8 +100,8 @@ def test_mixed_folder_recursive_jsonl(mixed_folder, tiny_model_file, tmp_path, m
         assert by_path[name]["score"] == pytest.approx(alone.score, abs=1e-3)
 
     # without --recursive only the top folder
-    rc = main(["caption", "photos", "-o", str(out), "--model", str(tiny_model_file),
-               "--workers", "0", "--beam-size", "1"])
+    rc = main(["caption", "photos", "-o", str(out), "--overwrite", "--model",
+               str(tiny_model_file), "--workers", "0", "--beam-size", "1"])
     assert rc == 1
     assert [r["path"] for r in read_jsonl(out)] == [p for p in expected if p.count("/") == 1]
 

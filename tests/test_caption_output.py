@@ -187,3 +187,28 @@ def test_a_run_that_stops_before_captioning_leaves_no_output_file(images, tmp_pa
                    "-o", "old.jsonl") == 2
     assert (tmp_path / "old.jsonl").exists()
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("content", [b"my notes\n", b'{"path": "img0.png", "caption": "a"}\n'])
+def test_an_existing_output_is_refused_without_resume_or_overwrite(content, images,
+                                                                   tiny_model_file, tmp_path,
+                                                                   monkeypatch, capsys):
+    """A notes file, or the output of an interrupted run, is never truncated by a run that was
+    not told to replace it; --overwrite replaces it, an empty file needs no option."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(content)
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --output out.jsonl already exists") and "\n" not in err
+    assert "--resume" in err and "--overwrite" in err
+    assert out.read_bytes() == content
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl",
+                   "--overwrite", "--resume") == 2
+    assert "give one" in capsys.readouterr().err
+    assert out.read_bytes() == content
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl",
+                   "--overwrite") == 0
+    assert [json.loads(x)["path"] for x in out.read_text().splitlines()] == images
+    out.write_bytes(b"")
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl") == 0
+    assert len(out.read_text().splitlines()) == 3

@@ -343,3 +343,62 @@ def test_save_every_n_steps_keeps_a_mid_epoch_checkpoint(synthetic_flickr, tmp_p
     assert sorted(p.name for p in folder.glob("steps*.ckpt")) == ["steps.ckpt"]
     steps = torch.load(folder / "steps.ckpt", map_location="cpu", weights_only=True)
     assert steps["global_step"] == 12  # 15 steps in the epoch: saved at 4, 8, 12
+
+
+def test_export_checks_its_output_before_reading_the_checkpoint(tiny_model_file, tmp_path,
+                                                                capsys):
+    """Root writes wherever chmod says no, so the unwritable place is one no one can write: a
+    folder that would have to be made inside a regular file."""
+    (tmp_path / "notes").write_text("a file\n")
+    bad = tmp_path / "notes" / "sub" / "m.safetensors"
+    # the checkpoint does not exist either: the output is what is said first
+    assert main(["export", str(tmp_path / "none.ckpt"), str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot create the folder for output") and "\n" not in err
+    assert str(bad.parent) in err
+
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"weeks of training")
+    assert main(["export", str(tiny_model_file), str(out), "--beam-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already exists" in err and "--overwrite" in err and "\n" not in err
+    assert out.read_bytes() == b"weeks of training"
+    assert main(["export", str(tiny_model_file), str(out), "--beam-size", "2",
+                 "--overwrite"]) == 0
+    from showattendtell.model_file import read_model
+
+    assert read_model(out)[1].beam_size == 2
+
+
+def test_train_checks_the_run_folder_before_any_work(synthetic_flickr, tmp_path, capsys):
+    (tmp_path / "notes").write_text("a file\n")
+    run_dir = tmp_path / "notes" / "run"
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
+                 str(synthetic_flickr), "--run.dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: cannot create the folder for --run.dir")
+    assert str(run_dir) in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_trainer_default_root_dir_is_the_run_folder(synthetic_flickr, tmp_path, capsys):
+    """Lightning's usual option names the run folder, as --run.dir does."""
+    tiny = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
+            str(synthetic_flickr), "--trainer.max_epochs", "1",
+            "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    run_dir = tmp_path / "elsewhere"
+    assert main([*tiny, "--trainer.default_root_dir", str(run_dir)]) == 0
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert main([*tiny, f"--trainer.default_root_dir={run_dir}", "--run.dir", "x"]) == 2
+    assert "give only --run.dir" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out.strip()
+    # the installed distribution's version (pyproject.toml), and torch's for bug reports
+    assert out.startswith(f"sat {metadata.version('showattendtell')} (torch ")
+    assert metadata.version("torch") in out

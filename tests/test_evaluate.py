@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k, write_flickr8k_folder
@@ -118,3 +119,74 @@ def test_bad_arguments_are_one_line_errors(synthetic_flickr, capsys, args, match
     rc = main(["evaluate", *args])
     err = capsys.readouterr().err
     assert rc != 0 and match in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_an_unwritable_output_is_refused_before_any_photo_is_read(where, model_file,
+                                                                 synthetic_flickr, tmp_path,
+                                                                 monkeypatch, capsys):
+    """Root may write anywhere chmod allows, so the tests use places no one can write: a path
+    whose folder would have to be a file, and /proc."""
+    from showattendtell.commands import evaluate
+
+    def never(*args, **kwargs):
+        raise AssertionError("captioning started")
+
+    monkeypatch.setattr(evaluate, "caption_split", never)
+    (tmp_path / "notes").write_text("a file, not a folder\n")
+    out = tmp_path / "notes" / "sub" / "r.json" if where == "under_a_file" else Path(
+        "/proc/sat-results.json")
+    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k",
+               "--root", str(synthetic_flickr), "--split", "dev", "--output", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert "--output" in err and str(out.parent) in err
+
+
+@needs_java
+def test_an_existing_output_is_kept_unless_overwrite(model_file, tmp_path, capsys):
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=2)
+    out = tmp_path / "results.json"
+    out.write_text("my notes\n")
+    args = ["evaluate", "--model", str(model_file), "--dataset", "flickr8k", "--root", str(root),
+            "--split", "dev", "--num-workers", "0", "--output", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already exists" in err and "--overwrite" in err and "\n" not in err
+    assert out.read_text() == "my notes\n"
+    assert main([*args, "--overwrite"]) == 0
+    assert len(json.loads(out.read_text())) == 2
+
+
+@needs_java
+def test_scores_are_printed_when_the_results_cannot_be_written(model_file, tmp_path,
+                                                               monkeypatch, capsys):
+    """The folder was writable at the start but the disk is full at the end: the scores of
+    the whole split still reach standard output, one line says what was not written and
+    where the captions were kept instead."""
+    import errno
+
+    from showattendtell.commands import evaluate
+
+    def full_disk(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(evaluate, "write_json_atomic", full_disk)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=2)
+    out = tmp_path / "results.json"
+    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k", "--root",
+               str(root), "--split", "dev", "--num-workers", "0", "--output", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert list(json.loads(captured.out.strip().splitlines()[-1])) == KEYS + REPETITION
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(out) in errors[0] and "No space left" in errors[0]
+    kept = list((tmp_path / "tmp").glob("results-*.json"))
+    assert len(kept) == 1 and str(kept[0]) in errors[0]
+    assert len(json.loads(kept[0].read_text())) == 2
+    assert not out.exists()

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -302,12 +303,45 @@ class OutputLock:
 
 
 def prepare_folder(option: str, folder: Path) -> None:
-    """Create an output folder now, before any work, or say in one line why it cannot be."""
+    """Create an output folder now, before any work, or say in one line why it cannot be.
+
+    Whether files can be made in it is tried with a real (removed) file, not ``os.access``:
+    for root ``access`` says yes to any folder, and it cannot know about read-only mounts,
+    quotas or network folders that refuse new files."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputError(f"cannot create the folder for {option} ({folder}): a file of that "
+                          "name is in the way") from None
     except OSError as e:
         raise OutputError(f"cannot create the folder for {option} ({folder}): "
                           f"{e.strerror or e}") from None
-    if not os.access(folder, os.W_OK):
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".sat-write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
         raise OutputError(f"cannot write into the folder for {option} ({folder}): "
-                          "permission denied")
+                          f"{e.strerror or e}") from None
+
+
+def check_new_output(option: str, path: Path, overwrite: bool, resume: bool = False) -> None:
+    """Before any work: ``path`` can be written, and an existing non-empty file there is
+    replaced only when the user said so (``--overwrite``), so that a notes file or the output
+    of an interrupted run is never lost to a typo. ``resume``: the command also has --resume
+    (continue the file), which the message then offers first."""
+    if path.is_dir():
+        raise OutputError(f"{option} {path} is a folder; give a file name")
+    if not overwrite and path.is_file() and path.stat().st_size > 0:
+        keep = "add --resume to continue it, " if resume else ""
+        raise OutputError(f"{option} {path} already exists ({path.stat().st_size:,} bytes); "
+                          f"{keep}add --overwrite to replace it, or give another {option}")
+    if path.exists() and not path.is_file():  # /dev/null, a FIFO: written as they are
+        return
+    if path.exists():
+        try:  # opened to append, nothing written: is the file itself writable?
+            with open(path, "ab"):
+                pass
+        except OSError as e:
+            raise OutputError(f"cannot write {option} {path}: {e.strerror or e}") from None
+    prepare_folder(option, path.parent)

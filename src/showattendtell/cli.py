@@ -17,6 +17,8 @@ COMMAND_MODULES = (caption, evaluate, data, export, models, serve)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sat", description="Show, Attend and Tell captioning.")
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the version (and torch's, for bug reports) and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("train", add_help=False,
                    help="train a model: sat train --config configs/NAME.yaml "
@@ -27,6 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMAND_MODULES:
         module.add_parser(sub)
     return parser
+
+
+def version_line() -> str:
+    """'sat 0.1.0 (torch 2.5.1+cpu, Python 3.11.7)': what a bug report needs, read from the
+    installed packages' metadata without importing torch (``--help`` stays fast)."""
+    import platform
+    from importlib import metadata
+
+    from showattendtell import __version__
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    return f"sat {__version__} (torch {torch}, Python {platform.python_version()})"
 
 
 def _log_package_to_stderr() -> None:

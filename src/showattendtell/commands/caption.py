@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from showattendtell.caption_output import (
     FORMATS,
-    OutputError,
     OutputLock,
     ResumePoint,
     Writer,
+    check_new_output,
     open_output,
     prepare_folder,
     scan_output,
@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
                         "each showing where the model looked")
     p.add_argument("--resume", action="store_true",
                    help="append to --output, skipping images already in it")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output file (without it, or --resume, a file "
+                        "that is not empty is refused and left as it was)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help=f"images per batch (default {DEFAULT_BATCH_SIZE})")
     p.add_argument("--workers", type=int, default=None,
@@ -145,6 +148,8 @@ def _inputs(args: argparse.Namespace) -> list[str]:
 def _check_args(args: argparse.Namespace) -> None:
     if args.resume and not args.output:
         raise UsageError("--resume needs --output FILE (the file to continue)")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues --output and --overwrite replaces it: give one")
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1")
     if args.lanes is not None and args.lanes < 1:
@@ -178,10 +183,11 @@ def _plan(args: argparse.Namespace, fmt: str, lock: list[OutputLock]
     resume: ResumePoint | None = None
     existed = out_path is not None and out_path.exists()
     if out_path is not None:
-        if existed and not os.access(out_path, os.W_OK):
-            raise OutputError(f"cannot write --output {out_path}: permission denied")
-        prepare_folder("--output", out_path.parent)
+        if not existed or out_path.is_file():
+            prepare_folder("--output", out_path.parent)
+        # locked first: a second run on a busy output is told so, whatever else it asked
         lock.append(OutputLock(out_path))
+        check_new_output("--output", out_path, args.overwrite or args.resume, resume=True)
     if args.resume and out_path is not None and existed:
         resume = scan_output(out_path, fmt, args.with_attention)  # refuses a foreign file
     done = resume.done if resume else set()

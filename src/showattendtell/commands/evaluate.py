@@ -58,7 +58,10 @@ def add_parser(sub) -> None:
                         "Karpathy's split: train/val)")
     p.add_argument("--output", default=None,
                    help="where to write the captions as COCO results JSON "
-                        "(default: <model>-<dataset>-<split>-results.json)")
+                        "(default: <model>-<dataset>-<split>-results.json); an existing "
+                        "file is replaced only with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output file")
     p.add_argument("--batch-size", type=int, default=32, help="images per batch")
     p.add_argument("--num-workers", type=int, default=None,
                    help="image-decoding processes (default: as sat caption's --workers)")
@@ -85,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         raise EvaluateError("--instances needs COCO photos (--dataset coco, or karpathy with "
                             "dataset_coco.json): Flickr8k has no COCO instance annotations")
     decoding = decoding_overrides(args)
+    output = _output_path(args)
     # say so before spending minutes on captioning
     require_java("sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer "
                  "and METEOR need Java")
@@ -97,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
     from showattendtell.inference import finite_or_none, load_model
 
     captioner = load_model(args.model, args.device, args.precision)
+    if output is None:  # the default name, from the model's: checked before captioning too
+        from showattendtell.caption_output import check_new_output
+
+        output = Path(_default_output(captioner.name, args))
+        check_new_output("--output", output, args.overwrite)
     t0 = time.perf_counter()
     kept: dict = {}  # image_id -> CaptionResult, for attention correctness
     captions, failed = caption_split(captioner, images, args.batch_size, args.num_workers,
@@ -107,12 +116,13 @@ def run(args: argparse.Namespace) -> int:
         raise EvaluateError(f"none of the {len(images)} images of {split.name} could be decoded")
     by_id = {im.image_id: im for im in images}
     results = [{"image_id": _result_id(by_id[k]), "caption": c} for k, c in captions.items()]
-    output = Path(args.output or f"{captioner.name}-{args.dataset}-{args.split}-results.json")
-    write_json_atomic(output, results)
+    # A write that fails now (a disk that filled up, a folder removed during the run) must not
+    # lose the scores of the whole split: they are printed, and the failure said, below.
+    unwritten = _write_results(output, results)
     print(f"captioned {len(captions)} images of {split.name} in {elapsed:.1f} s "
           f"({len(captions) / max(elapsed, 1e-9):.1f} img/s"
-          f"{f', {len(failed)} undecodable images skipped' if failed else ''}); "
-          f"wrote {output}", file=sys.stderr)
+          f"{f', {len(failed)} undecodable images skipped' if failed else ''})"
+          + ("" if unwritten else f"; wrote {output}"), file=sys.stderr)
 
     references = {k: by_id[k].captions for k in captions}
     scores = score_captions(captions, references, official=True, spice=not args.no_spice)
@@ -134,7 +144,46 @@ def run(args: argparse.Namespace) -> int:
               f"({ac['skipped_images']} photos not in {args.instances} skipped): {found}",
               file=sys.stderr)
     print(json.dumps(out, allow_nan=False))
+    if unwritten:
+        print(f"error: {unwritten}; the scores above are complete", file=sys.stderr)
+        return 1
     return 0
+
+
+def _default_output(model_name: str, args: argparse.Namespace) -> str:
+    return f"{model_name}-{args.dataset}-{args.split}-results.json"
+
+
+def _output_path(args: argparse.Namespace) -> Path | None:
+    """The --output file, checked before any photo is read: its folder can be created and
+    written, and an existing non-empty file is replaced only with --overwrite. None: the
+    default name, which needs the model's name; its folder (the current one) is checked and
+    the file itself once the model is loaded (still before captioning)."""
+    from showattendtell.caption_output import check_new_output, prepare_folder
+
+    if args.output is None:
+        prepare_folder("--output", Path("."))
+        return None
+    path = Path(args.output)
+    check_new_output("--output", path, args.overwrite)
+    return path
+
+
+def _write_results(output: Path, results: list) -> str | None:
+    """Write the results file; on failure, keep them in a file of the temporary folder and
+    return one line saying so (None: written)."""
+    try:
+        write_json_atomic(output, results)
+        return None
+    except OSError as e:
+        what = f"could not write the captions to {output} ({e.strerror or e})"
+    try:
+        fd, kept = tempfile.mkstemp(prefix=f"{output.stem}-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(results, f, ensure_ascii=False)
+        return f"{what}; they are kept in {kept}"
+    except OSError:
+        return what
 
 
 def _load_instances(path: str, split):

@@ -5,7 +5,9 @@ file -> the same weights with other stored decoding defaults (e.g. the bundled m
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from showattendtell.caption_output import OutputError, check_new_output
 from showattendtell.cli_common import add_decoding_args, decoding_overrides
 from showattendtell.data.datasets import DATASETS
 
@@ -15,7 +17,10 @@ def add_parser(sub) -> None:
     p.add_argument("checkpoint", help="Lightning .ckpt written by sat train; or a model file "
                                       "(.safetensors or a `sat models` name) to store other "
                                       "decoding defaults with its weights")
-    p.add_argument("output", help="model file to write (.safetensors)")
+    p.add_argument("output", help="model file to write (.safetensors); an existing file is "
+                                  "replaced only with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output file (e.g. re-export a run's model)")
     p.add_argument("--half", action="store_true", help="store weights as float16")
     p.add_argument("--interpolate", metavar="MODEL", default=None,
                    help="export alpha * checkpoint + (1 - alpha) * MODEL (WiSE-FT: a fine-tuned "
@@ -44,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from showattendtell.model_file import ModelFileError, save_model
 
     overrides = decoding_overrides(args)
+    output = _check_output(args)
     if _is_model_file(args.checkpoint):  # its weights, its stored decoding with the overrides
         from showattendtell.catalog import resolve_model
         from showattendtell.model_file import read_model
@@ -78,9 +84,21 @@ def run(args: argparse.Namespace) -> int:
         info.update(consensus=f"{args.consensus_dataset} {args.consensus_split} "
                               f"({len(model.consensus.references)} photos)")
     model.check_decoding(decoding)  # e.g. --rerank consensus without an index
-    path = save_model(model, args.output, decoding, half=args.half, info=info)
+    try:
+        path = save_model(model, output, decoding, half=args.half, info=info)
+    except OSError as e:  # a disk that filled up while exporting: the old file is untouched
+        output.with_name(output.name + ".tmp").unlink(missing_ok=True)
+        raise OutputError(f"cannot write {output}: {e.strerror or e}") from None
     print(f"wrote {path}")
     return 0
+
+
+def _check_output(args: argparse.Namespace) -> Path:
+    """Before a checkpoint is read: the output can be written, and an existing file is
+    replaced only when asked (a model file may be the only copy of weeks of training)."""
+    output = Path(args.output)
+    check_new_output("output", output, args.overwrite)
+    return output
 
 
 def _is_model_file(source: str) -> bool:

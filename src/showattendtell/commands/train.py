@@ -74,6 +74,8 @@ def run_callbacks(run: RunConfig) -> list[L.Callback]:
 
 
 class SatCLI(LightningCLI):
+    check_run_dir = False  # `sat train`: the run folder must be writable before any work
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_class_arguments(RunConfig, "run")
         parser.link_arguments("run.dir", "trainer.default_root_dir")
@@ -90,6 +92,12 @@ class SatCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # the run's saved config.yaml is the whole resolved config: it builds on no other file
         self.config[BASE_KEY] = None
+        # `sat train`: before the model and data are built (seconds) and training starts
+        # (hours), a run folder that cannot be written is one line, not a traceback later
+        if self.check_run_dir:
+            from showattendtell.caption_output import prepare_folder
+
+            prepare_folder("--run.dir", Path(self.config.run.dir))
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         """The Trainer with the run's loggers and checkpoints (and any the config adds)."""
@@ -99,6 +107,10 @@ class SatCLI(LightningCLI):
             kwargs.setdefault("logger", run_loggers(run))
         kwargs["callbacks"] = [*(trainer.get("callbacks") or []), *run_callbacks(run)]
         return super().instantiate_trainer(**kwargs)
+
+
+class TrainCLI(SatCLI):
+    check_run_dir = True
 
 
 class SaveOnInterrupt(L.Callback):
@@ -142,15 +154,39 @@ def _check_config_files(args: list[str]) -> None:
                                   "configs/, e.g. configs/flickr8k_lite2_soft.yaml)")
 
 
-def build_cli(args: list[str]) -> SatCLI:
-    args = expand_bases(args)  # --config OVERLAY -> --config BASE --config OVERLAY
+def _run_dir_alias(args: list[str]) -> list[str]:
+    """Lightning's usual ``--trainer.default_root_dir DIR`` means this project's ``--run.dir
+    DIR`` (the run folder; the Trainer's is linked to it): rewritten, unless both are given."""
+    out, given = [], []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--trainer.default_root_dir" and i + 1 < len(args):
+            given.append(args[i + 1])
+            out += ["--run.dir", args[i + 1]]
+            i += 2
+            continue
+        if arg.startswith("--trainer.default_root_dir="):
+            given.append(arg.split("=", 1)[1])
+            arg = "--run.dir=" + given[-1]
+        out.append(arg)
+        i += 1
+    if given and any(a == "--run.dir" or a.startswith("--run.dir=") for a in args):
+        raise UsageError("--trainer.default_root_dir and --run.dir name the same folder (the "
+                         "run's): give only --run.dir")
+    return out
+
+
+def build_cli(args: list[str], cli_class: type[SatCLI] | None = None) -> SatCLI:
+    # --config OVERLAY -> --config BASE --config OVERLAY; Lightning's name for the run folder
+    args = _run_dir_alias(expand_bases(args))
     _check_config_files(args)
     # The frozen encoder stays in eval mode on purpose (BatchNorm statistics are not trained).
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     # `sat train ARGS` hands ARGS over explicitly, so sys.argv holding them too is intended
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
     try:
-        return SatCLI(
+        return (cli_class or SatCLI)(
             CaptionModule,
             CaptionDataModule,
             run=False,
@@ -180,7 +216,7 @@ def resume_command(args: list[str], checkpoint: Path) -> str:
 def train(args: list[str]) -> int:
     """Fit; on Ctrl-C or SIGTERM save where it stopped, say how to resume, and return exit
     status 130 (Ctrl-C) or 143 (SIGTERM)."""
-    cli = build_cli(args)
+    cli = build_cli(args, TrainCLI)
     on_interrupt = SaveOnInterrupt()
     cli.trainer.callbacks.append(on_interrupt)
     try:
