@@ -2,8 +2,9 @@
 
 The work is elsewhere in this package: ``worker`` (models and the batching worker thread),
 ``uploads`` (reading untrusted uploads, example photos), ``captioning`` (the function behind the
-UI and the ``/caption`` API), ``events`` (the UI's handlers) and ``drawing`` (overlays on a
-labelled colour scale).
+UI and the ``/caption`` API), ``events`` (the UI's handlers), ``options`` (the decoding controls
+and API inputs, made from decoding.py's option table), ``drawing`` (overlays on a labelled
+colour scale) and ``cache`` (the bound on Gradio's upload cache).
 
 Uploads reach the handlers as file paths inside Gradio's upload folder (every event runs with
 ``preprocess=False``), so Gradio never decodes them itself.
@@ -11,173 +12,343 @@ Uploads reach the handlers as file paths inside Gradio's upload folder (every ev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import gradio as gr
 
-from showattendtell.decoding import (
-    HARD_MODES,
-    MAX_BEAM_SIZE,
-    MAX_CAPTION_LENGTH,
-    MAX_LENGTH_PENALTY,
-    RERANKERS,
-)
-
-from . import drawing, events
+from . import drawing, events, options
+from .cache import CacheBound
 from .captioning import api_caption
 from .uploads import MAX_EXAMPLES
 from .worker import CaptionService
 
-# Toasts at the bottom right, clear of the status line at the top of the page.
+# Toasts at the bottom right, clear of the status line at the top of the page; the warning box
+# stands out; the button the page presses when Gradio refuses a file type is never seen.
 CSS = """
 #caption-text textarea {font-size: 1.35em; font-weight: 600}
 .toast-wrap {top: auto !important; bottom: var(--size-4) !important}
+#caption-warning {background: #fff4d6; border-left: 4px solid #e0a000; padding: 4px 10px}
+#refused-upload {display: none !important}
 """
 
-API_DESCRIPTION = ("Caption an image: caption, words, score, top beams, each word's attention grid "
-                   "(and hard-attention locations), the decoding settings used and a warning for "
-                   "a degenerate photo. Options left out (None) are the model's defaults; a value "
-                   "out of range is an error.")
+# Gradio's page refuses a file that is not an image before uploading it, with a toast and no
+# event for the server: this reports the refusal (the toast's text) through a hidden button, so
+# the previous photo's outputs are cleared as for any other file that cannot be captioned.
+REFUSAL_JS = """
+() => {
+  const seen = new WeakSet();
+  new MutationObserver(() => {
+    for (const toast of document.querySelectorAll('.toast-body')) {
+      if (seen.has(toast)) continue;
+      seen.add(toast);
+      const found = (toast.innerText || '').match(/Invalid file types?:[^\\n]*/);
+      if (!found) continue;
+      window.__satRefused = found[0];
+      document.querySelector('#refused-upload')?.click();
+    }
+  }).observe(document.body, {childList: true, subtree: true});
+}
+"""
+
+API_DESCRIPTION = (
+    "Caption an image: caption, words, score, familiarity (0..1: how much the photo "
+    "looks like the training photos), top beams in the order that decided "
+    "(ranked_by), each word's attention grid (and hard-attention locations), the "
+    "decoding settings that apply to the model and a warning for an unfamiliar or "
+    "degenerate photo. Options left out (None) are the model's defaults; a value "
+    "out of range is an error."
+)
+
+DEFAULT_SESSION_MINUTES = 60.0  # a browser session's captioned photo is kept this long
 
 
-def build_app(service: CaptionService, examples: Sequence[Path] = (),
-              concurrency: int = 8) -> gr.Blocks:
-    """The UI (upload -> caption, word overlays, beams) and the /caption API endpoint."""
+@dataclass
+class Page:
+    """The components the events connect."""
+
+    image: gr.Image
+    model: gr.Dropdown
+    controls: dict[str, gr.Component]  # one per decoding option, in the table's order
+    button: gr.Button
+    examples: gr.Examples | None
+    scale: gr.Radio
+    outputs: dict[str, Any]  # events.OUTPUTS by name
+    refused: gr.Button
+
+    @property
+    def output_list(self) -> list[Any]:
+        return [self.outputs[name] for name in events.OUTPUTS]
+
+
+def input_column(service: CaptionService, examples: Sequence[Path]) -> dict[str, Any]:
+    """The photo, the model menu, the decoding controls, the button and the examples."""
     names = service.names
-    default = service.get(None)
-    d = default.decoding
 
     def model_choice(name: str) -> tuple[str, str]:
         return (f"{name} ({service.get(name).attention_type} attention)", name)
 
+    image = gr.Image(
+        label="Image",
+        type="filepath",
+        image_mode=None,
+        sources=["upload", "clipboard"],
+        height=360,
+        elem_id="input-image",
+    )
+    model = gr.Dropdown(
+        [model_choice(n) for n in names],
+        value=names[0],
+        label="Model",
+        interactive=len(names) > 1,
+        elem_id="model",
+    )
+    controls = options.controls(service.get(None))
+    button = gr.Button("Caption", variant="primary", elem_id="caption-button")
+    gallery_examples = None
+    if examples:
+        gallery_examples = gr.Examples(
+            [[str(p)] for p in examples],
+            inputs=[image],
+            label="Examples",
+            examples_per_page=MAX_EXAMPLES,
+            elem_id="examples",
+        )
+    return dict(
+        image=image, model=model, controls=controls, button=button, examples=gallery_examples
+    )
+
+
+def output_column(session_ttl_s: float | None) -> tuple[gr.Radio, dict[str, Any]]:
+    """Status, warning, caption, words, the colour scale and the selected word's view; the
+    per-session state lives ``session_ttl_s`` seconds after its last change (None: until the
+    page is closed)."""
+    out: dict[str, Any] = {}
+    out["status"] = gr.Markdown(events.PROMPT, elem_id="status")
+    out["warning"] = gr.Markdown("", visible=False, elem_id="caption-warning")
+    out["caption"] = gr.Textbox(label="Caption", interactive=False, elem_id="caption-text")
+    out["state"] = gr.State(None, time_to_live=session_ttl_s)
+    out["words"] = gr.Radio([], label="Words: click one to see its attention", elem_id="words")
+    scale = gr.Radio(
+        drawing.SCALE_CHOICES,
+        value=drawing.DEFAULT_SCALE,
+        label="Colour scale",
+        elem_id="colour-scale",
+    )
+    out["view"] = gr.Image(
+        label="Attention for the selected word",
+        type="pil",
+        interactive=False,
+        format="png",
+        elem_id="word-view",
+        height=400,
+    )
+    out["note"] = gr.Markdown("", elem_id="scale-note")
+    return scale, out
+
+
+def layout(service: CaptionService, examples: Sequence[Path], session_ttl_s: float | None) -> Page:
+    """The page: inputs on the left, the caption on the right, every word's overlay below."""
+    gr.Markdown(
+        "# Show, Attend and Tell\nUpload, paste or pick a photo: the model writes a "
+        "caption and shows, for every word, where in the image it looked."
+    )
+    with gr.Row():
+        with gr.Column(scale=1):
+            inputs = input_column(service, examples)
+        with gr.Column(scale=2):
+            scale, out = output_column(session_ttl_s)
+    out["gallery"] = gr.Gallery(
+        label="Every word's attention (click to step through)",
+        columns=6,
+        height="auto",
+        object_fit="contain",
+        format="jpeg",
+        elem_id="word-gallery",
+    )
+    out["sheet"] = gr.Image(
+        label="The whole caption with all word overlays (each word on its "
+        "own colour scale: red = that word's largest weight)",
+        type="pil",
+        interactive=False,
+        format="jpeg",
+        elem_id="caption-sheet",
+    )
+    out["beams"] = gr.Dataframe(
+        headers=["rank", "caption", "score"],
+        label="Top beam captions",
+        interactive=False,
+        elem_id="beams",
+    )
+    refused = gr.Button("refused upload", elem_id="refused-upload")
+    return Page(scale=scale, outputs=out, refused=refused, **inputs)
+
+
+def caption_fn(service: CaptionService) -> Callable[..., events.UIOutputs]:
+    """The UI's caption event: (image, model, scale, *the controls' values in table order)."""
+
+    def ui_caption(image: Any, model: str | None, scale: str, *values: Any) -> events.UIOutputs:
+        return events.ui_caption(service, image, model, scale, **options.named(values))
+
+    return ui_caption  # its name is the private events' API name: never "caption", the API's
+
+
+def wire_ui(service: CaptionService, page: Page, concurrency: int) -> None:
+    """Connect the UI's events: caption on upload, button, example and model change; clear on
+    removal and refusal; controls follow the model; words and scale redraw the view."""
+    outputs = page.output_list
+    run = dict(
+        fn=caption_fn(service),
+        inputs=[page.image, page.model, page.scale, *page.controls.values()],
+        outputs=outputs,
+        preprocess=False,
+        concurrency_limit=concurrency,
+        concurrency_id="caption",
+        api_visibility="private",
+    )
+    quick = dict(queue=False, api_visibility="private")
+    # Not image.change: Gradio fires it twice when a new file replaces a shown one (so every
+    # toast showed twice), and once more for an example. upload fires once per file.
+    gr.on([page.button.click, page.image.upload], trigger_mode="always_last", **run)
+    if page.examples is not None:
+        page.examples.load_input_event.then(**run)
+    # Removing the photo, or Gradio refusing an upload over the size limit, sets it to None.
+    page.image.change(
+        events.clear_outputs, inputs=[page.image], outputs=outputs, preprocess=False, **quick
+    )
+    page.refused.click(
+        events.refused_upload,
+        inputs=[page.outputs["status"]],
+        outputs=outputs,
+        js="() => [window.__satRefused || '']",
+        **quick,
+    )
+    # Another model: its defaults in the controls, then the shown photo captioned again.
+    page.model.change(
+        partial(events.model_controls, service),
+        inputs=[page.model],
+        outputs=list(page.controls.values()),
+        **quick,
+    ).then(**run)
+    out = page.outputs
+    # .input, not .change: only a click. The caption events set the word list and the first
+    # word's view themselves; a .change they set off could land after a later event had
+    # cleared the outputs (a rejected upload) and bring the old photo's view back.
+    out["words"].input(
+        events.show_word,
+        inputs=[out["state"], out["words"], page.scale],
+        outputs=[out["view"], out["note"]],
+        **quick,
+    )
+    page.scale.change(
+        events.rescale,
+        inputs=[out["state"], out["words"], page.scale],
+        outputs=[out["gallery"], out["view"], out["note"]],
+        **quick,
+    )
+
+    def select_word(state: dict | None, scale: str, evt: gr.SelectData) -> tuple[Any, ...]:
+        """A gallery panel clicked: select its word and show it."""
+        return (int(evt.index), *events.show_word(state, int(evt.index), scale))
+
+    out["gallery"].select(
+        select_word, [out["state"], page.scale], [out["words"], out["view"], out["note"]], **quick
+    )
+
+
+def api_fn(service: CaptionService) -> Callable[..., dict[str, Any]]:
+    """The /caption endpoint: (image, model, *the options in table order)."""
+
+    def caption(image: Any, model: str | None, *values: Any) -> dict[str, Any]:
+        return api_caption(service, image, model, **options.named(values))
+
+    # Gradio names the API's parameters after the function's: image, model and one per option,
+    # so a client passes options by name; Gradio itself passes them positionally.
+    plain = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    caption.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("image", plain), inspect.Parameter("model", plain, default=None)]
+        + [inspect.Parameter(name, plain, default=None) for name in options.option_names()]
+    )
+    return caption
+
+
+def wire_api(service: CaptionService, image: gr.Image, concurrency: int) -> None:
+    """The /caption API: hidden inputs named after the options, None meaning the chosen
+    model's defaults (unlike the UI's controls, which hold the first model's)."""
+    names = service.names
+    model = gr.Dropdown(names, value=None, label="model", visible=False)
+    inputs = options.api_inputs()
+    result = gr.JSON(label="result", visible=False)
+    button = gr.Button(visible=False)
+    button.click(
+        api_fn(service),
+        inputs=[image, model, *inputs],
+        outputs=[result],
+        api_name="caption",
+        preprocess=False,
+        concurrency_limit=concurrency,
+        concurrency_id="caption",
+        api_description=API_DESCRIPTION,
+    )
+
+
+def build_app(
+    service: CaptionService,
+    examples: Sequence[Path] = (),
+    concurrency: int = 8,
+    session_ttl_s: float | None = DEFAULT_SESSION_MINUTES * 60,
+) -> gr.Blocks:
+    """The UI (upload -> caption, word overlays, beams) and the /caption API endpoint."""
     with gr.Blocks(title="Show, Attend and Tell") as app:
-        gr.Markdown("# Show, Attend and Tell\nUpload, paste or pick a photo: the model writes a "
-                    "caption and shows, for every word, where in the image it looked.")
-        state = gr.State(None)
-        with gr.Row():
-            with gr.Column(scale=1):
-                image = gr.Image(label="Image", type="filepath", image_mode=None,
-                                 sources=["upload", "clipboard"], height=360, elem_id="input-image")
-                model = gr.Dropdown([model_choice(n) for n in names], value=names[0],
-                                    label="Model", interactive=len(names) > 1, elem_id="model")
-                with gr.Row():
-                    beam = gr.Slider(1, MAX_BEAM_SIZE, value=d.beam_size, step=1,
-                                     label="Beam size (1: greedy)", elem_id="beam-size")
-                    length = gr.Slider(1, MAX_CAPTION_LENGTH, value=d.max_length, step=1,
-                                       label="Maximum length (words)", elem_id="max-length")
-                hard_mode = gr.Radio(events.HARD_MODE_CHOICES, value=d.hard_mode,
-                                     label="Hard attention at inference",
-                                     info="argmax and sample decode each word from one grid "
-                                          "cell (framed in white); the expected context averages "
-                                          "all cells by their weights, like soft attention",
-                                     visible=default.attention_type == "hard",
-                                     elem_id="hard-mode")
-                with gr.Accordion("More decoding options", open=False):
-                    penalty = gr.Slider(0, MAX_LENGTH_PENALTY, value=d.length_penalty, step=0.1,
-                                        label="Length penalty (beams ranked by log p / "
-                                              "length^penalty)", elem_id="length-penalty")
-                    no_repeat = gr.Number(d.no_repeat_ngram, precision=0, minimum=0,
-                                          maximum=MAX_CAPTION_LENGTH,
-                                          label="No repeated n-grams of this size (0: allow)",
-                                          elem_id="no-repeat-ngram")
-                    rerank = gr.Radio(list(RERANKERS), value=d.rerank,
-                                      label="Rerank the beam's captions",
-                                      info="consensus: the one that best agrees with the "
-                                           "captions of similar training photos",
-                                      visible=default.model.consensus is not None,
-                                      elem_id="rerank")
-                button = gr.Button("Caption", variant="primary", elem_id="caption-button")
-                gallery_examples = None
-                if examples:
-                    gallery_examples = gr.Examples(
-                        [[str(p)] for p in examples], inputs=[image], label="Examples",
-                        examples_per_page=MAX_EXAMPLES, elem_id="examples")
-            with gr.Column(scale=2):
-                status = gr.Markdown(events.PROMPT, elem_id="status")
-                caption = gr.Textbox(label="Caption", interactive=False, elem_id="caption-text")
-                words = gr.Radio([], label="Words: click one to see its attention",
-                                 elem_id="words")
-                scale = gr.Radio(drawing.SCALE_CHOICES, value="word", label="Colour scale",
-                                 elem_id="colour-scale")
-                view = gr.Image(label="Attention for the selected word", type="pil",
-                                interactive=False, format="png", elem_id="word-view", height=400)
-                note = gr.Markdown("", elem_id="scale-note")
-        gallery = gr.Gallery(label="Every word's attention (click to step through)", columns=6,
-                             height="auto", object_fit="contain", format="jpeg",
-                             elem_id="word-gallery")
-        sheet = gr.Image(label="The whole caption with all word overlays (each word on its own "
-                               "colour scale: red = that word's largest weight)", type="pil",
-                         interactive=False, format="jpeg", elem_id="caption-sheet")
-        beams = gr.Dataframe(headers=["caption", "score"], label="Top beam captions",
-                             interactive=False, elem_id="beams")
-
-        # The /caption API: options default to None (the chosen model's defaults), unlike the
-        # sliders, whose values are the first model's.
-        api_model = gr.Dropdown(names, value=None, label="model", visible=False)
-        api_beam = gr.Number(None, label="beam_size", visible=False)
-        api_length = gr.Number(None, label="max_length", visible=False)
-        api_hard = gr.Dropdown(list(HARD_MODES), value=None, label="hard_mode", visible=False)
-        api_penalty = gr.Number(None, label="length_penalty", visible=False)
-        api_no_repeat = gr.Number(None, label="no_repeat_ngram", visible=False)
-        api_rerank = gr.Dropdown(list(RERANKERS), value=None, label="rerank", visible=False)
-        api_out = gr.JSON(label="result", visible=False)
-        api_button = gr.Button(visible=False)
-
-        inputs = [image, model, beam, length, hard_mode, penalty, no_repeat, rerank, scale]
-        outputs = [status, caption, state, gallery, words, view, note, sheet, beams]
-        run = dict(fn=partial(events.ui_caption, service), inputs=inputs, outputs=outputs,
-                   preprocess=False, concurrency_limit=concurrency, concurrency_id="caption",
-                   api_visibility="private")
-        # Not image.change: Gradio fires it twice when a new file replaces a shown one (so every
-        # toast showed twice), and once more for an example. upload fires once per file.
-        gr.on([button.click, image.upload], trigger_mode="always_last", **run)
-        if gallery_examples is not None:
-            gallery_examples.load_input_event.then(**run)
-        # Removing the photo, or Gradio refusing an upload over the size limit, sets it to None.
-        image.change(events.clear_outputs, inputs=[image], outputs=outputs, preprocess=False,
-                     queue=False, api_visibility="private")
-        model.change(partial(events.model_controls, service), inputs=[model],
-                     outputs=[beam, length, hard_mode, penalty, no_repeat, rerank], queue=False,
-                     api_visibility="private")
-        # .input, not .change: only a click. The caption events set the word list and the first
-        # word's view themselves; a .change they set off could land after a later event had
-        # cleared the outputs (a rejected upload) and bring the old photo's view back.
-        words.input(events.show_word, inputs=[state, words, scale], outputs=[view, note],
-                    queue=False, api_visibility="private")
-        scale.change(events.rescale, inputs=[state, words, scale], outputs=[gallery, view, note],
-                     queue=False, api_visibility="private")
-
-        def select_word(state_: dict | None, scale_: str, evt: gr.SelectData):
-            """A gallery panel clicked: select its word and show it."""
-            return (int(evt.index), *events.show_word(state_, int(evt.index), scale_))
-
-        gallery.select(select_word, [state, scale], [words, view, note], queue=False,
-                       api_visibility="private")
-        api_button.click(partial(api_caption, service),
-                         inputs=[image, api_model, api_beam, api_length, api_hard, api_penalty,
-                                 api_no_repeat, api_rerank],
-                         outputs=[api_out], api_name="caption", preprocess=False,
-                         concurrency_limit=concurrency, concurrency_id="caption",
-                         api_description=API_DESCRIPTION)
+        page = layout(service, examples, session_ttl_s)
+        wire_ui(service, page, concurrency)
+        wire_api(service, page.image, concurrency)
     return app
 
 
-def launch(service: CaptionService, host: str = "127.0.0.1", port: int = 7860,
-           max_upload_mb: float = 10.0, examples: Sequence[Path] = (), concurrency: int = 8,
-           queue_size: int = 64, block: bool = True,
-           auth: Sequence[tuple[str, str]] | None = None) -> gr.Blocks:
+def launch(
+    service: CaptionService,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    max_upload_mb: float = 10.0,
+    examples: Sequence[Path] = (),
+    concurrency: int = 8,
+    queue_size: int = 64,
+    block: bool = True,
+    auth: Sequence[tuple[str, str]] | None = None,
+    cache: CacheBound | None = None,
+    session_minutes: float | None = None,
+    max_sessions: int = 1000,
+) -> gr.Blocks:
     """Build and start the app; ``block=False`` returns once it serves (tests, benchmarks).
-    ``auth``: (user, password) pairs; the page and the API then need a login.
+    ``auth``: (user, password) pairs; the page and the API then need a login. ``cache``: the
+    bound on Gradio's cache folder (None: unbounded). ``session_minutes``: how long a browser
+    session's captioned photo is kept (None: the default hour); ``max_sessions``: sessions
+    remembered at most (the oldest are forgotten first; every API client is one).
 
     Gradio copies the example photos into its cache when the app is built; requests can only
     name files in its upload folder or cache, so no other file on the machine is served or read.
     """
     service.max_upload_bytes = int(max_upload_mb * 2**20)
-    app = build_app(service, examples, concurrency=concurrency)
+    minutes = DEFAULT_SESSION_MINUTES if session_minutes is None else session_minutes
+    app = build_app(service, examples, concurrency=concurrency, session_ttl_s=minutes * 60)
     app.queue(max_size=queue_size)
-    app.launch(server_name=host, server_port=port, max_file_size=int(max_upload_mb * 2**20),
-               css=CSS, footer_links=["api"], auth=list(auth) if auth else None,
-               prevent_thread_lock=not block, quiet=not block)
+    service.cache = cache or CacheBound(None)
+    service.cache.start(app)
+    app.launch(
+        server_name=host,
+        server_port=port,
+        max_file_size=int(max_upload_mb * 2**20),
+        css=CSS,
+        js=REFUSAL_JS,
+        footer_links=["api"],
+        auth=list(auth) if auth else None,
+        prevent_thread_lock=not block,
+        quiet=not block,
+        state_session_capacity=max_sessions,
+    )
     return app

@@ -28,14 +28,17 @@ def parse_credentials(text: str, source: str) -> list[tuple[str, str]]:
             continue
         user, sep, password = line.partition(":")
         if not sep or not user or not password or any(c.isspace() for c in user):
-            raise AuthError(f"{source} line {n}: expected user:password (a user name without "
-                            "spaces, a colon, a non-empty password)")
+            raise AuthError(
+                f"{source} line {n}: expected user:password (a user name without "
+                "spaces, a colon, a non-empty password)"
+            )
         pairs.append((user, password))
     return pairs
 
 
-def read_auth(auth_file: str | Path | None = None,
-              environ: Mapping[str, str] | None = None) -> list[tuple[str, str]] | None:
+def read_auth(
+    auth_file: str | Path | None = None, environ: Mapping[str, str] | None = None
+) -> list[tuple[str, str]] | None:
     """The logins from ``auth_file`` and ``$SAT_SERVE_AUTH`` (both may be given), or None when
     neither is set: the service then needs no login."""
     environ = os.environ if environ is None else environ
@@ -44,8 +47,9 @@ def read_auth(auth_file: str | Path | None = None,
         try:
             text = Path(auth_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise AuthError(f"cannot read --auth-file {auth_file}: "
-                            f"{getattr(e, 'strerror', None) or e}") from None
+            raise AuthError(
+                f"cannot read --auth-file {auth_file}: {getattr(e, 'strerror', None) or e}"
+            ) from None
         found = parse_credentials(text, f"--auth-file {auth_file}")
         if not found:
             raise AuthError(f"--auth-file {auth_file} has no user:password line")
@@ -69,5 +73,7 @@ def exposure_warning(host: str, auth: object) -> str | None:
     """A warning when the service listens beyond this machine without a login."""
     if auth or is_loopback(host):
         return None
-    return (f"serving on {host} without a login: anyone who can reach this machine can use "
-            f"the service; set ${AUTH_ENV}=user:password or pass --auth-file FILE")
+    return (
+        f"serving on {host} without a login: anyone who can reach this machine can use "
+        f"the service; set ${AUTH_ENV}=user:password or pass --auth-file FILE"
+    )

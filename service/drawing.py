@@ -1,10 +1,13 @@
 """Attention overlays for the web UI, on a colour scale labelled with real attention weights.
 
 ``showattendtell.overlay`` stretches every map to its own maximum (used as is for the caption
-sheet). Here the scale is explicit: colour ``0 .. vmax`` where ``vmax`` is either the word's own
-largest weight or the largest weight over every word of the caption (a fixed scale, so a nearly
-uniform map looks pale next to a focused one), and the bar beside the large view is labelled
-with ``vmax``, 0 and the uniform level ``1/L`` (L = grid cells).
+sheet). Here the scale is explicit: colour ``0 .. vmax`` where ``vmax`` is either the largest
+weight over every word of the caption (the default: one fixed scale, so a nearly uniform map
+looks pale next to a focused one) or the word's own largest weight, and the bar beside the large
+view is labelled with ``vmax``, 0 and the uniform level ``1/L`` (L = grid cells). A map whose
+largest weight is under ``FLAT_RATIO`` times the uniform level is *flat* (the model looked
+almost everywhere): it is marked so on every scale, since its own scale would paint it as red as
+a focused one.
 """
 
 from __future__ import annotations
@@ -16,19 +19,43 @@ from PIL import Image, ImageDraw
 
 from showattendtell.overlay import colour_bar, label_font, overlay_attention
 
-SCALES = ("word", "caption")  # colour scale: each word's own maximum, or the caption's
-SCALE_CHOICES = [("each word: 0 to its own largest weight", "word"),
-                 ("whole caption: 0 to the largest weight of any word", "caption")]
+SCALES = ("caption", "word")  # colour scale: the caption's maximum, or each word's own
+DEFAULT_SCALE = "caption"
+SCALE_CHOICES = [
+    ("whole caption: 0 to the largest weight of any word", "caption"),
+    ("each word: 0 to its own largest weight (flat maps marked)", "word"),
+]
+FLAT_RATIO = 2.0  # a map whose largest weight is under this many times 1/L is flat
+FLAT_TAG = "flat map"
+
+
+def is_flat(grid: np.ndarray) -> bool:
+    """Whether an attention map is nearly uniform: its largest weight is under ``FLAT_RATIO``
+    times the uniform weight 1/L (e.g. 0.018 against 0.012 on a 9x9 grid)."""
+    return float(np.max(grid)) < FLAT_RATIO / grid.size
+
+
+def tagged(image: Image.Image, text: str = FLAT_TAG) -> Image.Image:
+    """The image with ``text`` on a dark band at its top left (marks a flat map)."""
+    out = image.copy()
+    draw = ImageDraw.Draw(out)
+    font = label_font(max(11, min(18, image.width // 14)))
+    box = draw.textbbox((0, 0), text, font=font)
+    draw.rectangle([0, 0, box[2] + 10, box[3] + 8], fill=(20, 20, 20))
+    draw.text((5, 3), text, fill=(255, 214, 90), font=font)  # not white: white marks a cell
+    return out
 
 
 def resized(image: Image.Image, size: int) -> Image.Image:
     """The image shrunk (never enlarged) so that its longer side is at most ``size``."""
     scale = min(1.0, size / max(image.size))
-    return image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
-                        Image.Resampling.BICUBIC)
+    return image.resize(
+        (max(1, round(image.width * scale)), max(1, round(image.height * scale))),
+        Image.Resampling.BICUBIC,
+    )
 
 
-def scale_max(attention: np.ndarray, index: int, scale: str = "word") -> float:
+def scale_max(attention: np.ndarray, index: int, scale: str = DEFAULT_SCALE) -> float:
     """The weight drawn at the top of the colour scale for word ``index``."""
     if scale not in SCALES:
         raise ValueError(f"colour scale must be one of {', '.join(SCALES)}, not {scale!r}")
@@ -73,32 +100,56 @@ def word_label(state: dict[str, Any], i: int) -> str:
     loc = located(state, i)
     if loc is not None:
         label += f", row {loc[0]}, col {loc[1]}"
+    if is_flat(state["attention"][i]):
+        label += f", {FLAT_TAG}"
     return label + ")"
 
 
-def gallery(state: dict[str, Any] | None, scale: str = "word") -> list:
+def overlay(state: dict[str, Any], i: int, scale: str, size_key: str) -> Image.Image:
+    """Word ``i``'s overlay on ``state[size_key]`` on the chosen scale, a flat map tagged."""
+    att = state["attention"]
+    img = overlay_attention(
+        state[size_key], att[i], located(state, i), vmax=scale_max(att, i, scale)
+    )
+    return tagged(img) if is_flat(att[i]) else img
+
+
+def gallery(state: dict[str, Any] | None, scale: str = DEFAULT_SCALE) -> list:
     """(panel, label) for every word, on the chosen colour scale."""
     if not state:
         return []
-    att = state["attention"]
-    return [(overlay_attention(state["small"], att[i], located(state, i),
-                               vmax=scale_max(att, i, scale)),
-             word_label(state, i)) for i in range(len(state["words"]))]
+    return [
+        (overlay(state, i, scale, "small"), word_label(state, i))
+        for i in range(len(state["words"]))
+    ]
 
 
 def scale_note(state: dict[str, Any], i: int, scale: str, vmax: float) -> str:
     cells = int(np.prod(state["attention"].shape[1:]))
     g = state["attention"].shape[-1]
-    whose = ("the largest weight of any word of this caption" if scale == "caption"
-             else f"the largest weight of “{state['words'][i]}”")
-    return (f"Colour scale: 0 (photo shows through) to **{weight_label(vmax)}** (dark red) = "
-            f"{whose}. Each word's weights sum to 1 over the {g}x{g} grid, so uniform "
-            f"attention would be 1/{cells} = {weight_label(1 / cells)} on every cell; this "
-            f"word's largest weight is {weight_label(float(np.max(state['attention'][i])))}.")
+    top = float(np.max(state["attention"][i]))
+    whose = (
+        "the largest weight of any word of this caption"
+        if scale == "caption"
+        else f"the largest weight of “{state['words'][i]}”"
+    )
+    note = (
+        f"Colour scale: 0 (photo shows through) to **{weight_label(vmax)}** (dark red) = "
+        f"{whose}. Each word's weights sum to 1 over the {g}x{g} grid, so uniform "
+        f"attention would be 1/{cells} = {weight_label(1 / cells)} on every cell; this "
+        f"word's largest weight is {weight_label(top)}."
+    )
+    if is_flat(state["attention"][i]):
+        note += (
+            f" **Flat map:** that is under {FLAT_RATIO:g} times uniform, so the model "
+            "looked almost everywhere for this word; the colours show small differences."
+        )
+    return note
 
 
-def word_view(state: dict[str, Any] | None, index: int | None,
-              scale: str = "word") -> tuple[Image.Image | None, str]:
+def word_view(
+    state: dict[str, Any] | None, index: int | None, scale: str = DEFAULT_SCALE
+) -> tuple[Image.Image | None, str]:
     """The large overlay of one word with its labelled colour scale, and a line saying what the
     scale means (empty without a caption)."""
     if not state or index is None or not 0 <= int(index) < len(state["words"]):
@@ -107,6 +158,5 @@ def word_view(state: dict[str, Any] | None, index: int | None,
     att = state["attention"]
     vmax = scale_max(att, i, scale)
     cells = int(np.prod(att.shape[1:]))
-    view = with_colour_bar(overlay_attention(state["image"], att[i], located(state, i),
-                                             vmax=vmax), vmax, cells)
+    view = with_colour_bar(overlay(state, i, scale, "image"), vmax, cells)
     return view, scale_note(state, i, scale, vmax)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import gradio as gr
+import pandas as pd
 
-from showattendtell.decoding import DecodingConfig
 from showattendtell.errors import UserError
 from showattendtell.images import ImageError
 from showattendtell.overlay import caption_sheet
 
-from . import drawing
+from . import drawing, options
 from .captioning import Captioned, caption_image
 from .worker import CaptionService
 
@@ -21,71 +21,141 @@ SHEET_SIZE = 1024  # longer side of the photo on the caption sheet
 TOAST_SECONDS = 8
 
 PROMPT = "Upload, paste or pick an example image."
-HARD_MODE_CHOICES = [("argmax: the most likely cell", "argmax"),
-                     ("sample: a cell drawn from the weights", "sample"),
-                     ("expected context (like soft attention)", "expectation")]
+REFUSED = "Gradio refused the file before it reached the captioner"
 
-# status, caption, state, gallery, words, view, scale note, sheet, beams
+# What every caption event returns, in this order (app.py wires the components the same way).
+OUTPUTS = (
+    "status",
+    "warning",
+    "caption",
+    "state",
+    "gallery",
+    "words",
+    "view",
+    "note",
+    "sheet",
+    "beams",
+)
 UIOutputs = tuple[Any, ...]
-EMPTY: UIOutputs = ("", None, [], gr.update(choices=[], value=None), None, "", None, [])
+EMPTY: UIOutputs = (
+    gr.update(value="", visible=False),
+    "",
+    None,
+    [],
+    gr.update(choices=[], value=None),
+    None,
+    "",
+    None,
+    gr.update(value=[], label="Top beam captions"),
+)  # everything after the status line, cleared
 
 
 def status_text(done: Captioned) -> str:
-    """What the status line says about a caption: model, mode, grid, how to read the overlays,
-    and the photo's warning."""
+    """What the status line says about a caption: model, mode, grid, familiarity and how to
+    read the overlays."""
     r, cfg = done.result, done.decoding
     g = r.attention.shape[-1]
     hard = done.attention_type == "hard"
     mode = f", hard mode {cfg.hard_mode}" if hard else ""
-    text = (f"Captioned by **{done.model}** ({done.attention_type} attention{mode}, beam "
-            f"{cfg.beam_size}, {g}x{g} grid). ")
+    text = (
+        f"Captioned by **{done.model}** ({done.attention_type} attention{mode}, beam "
+        f"{cfg.beam_size}, {g}x{g} grid). "
+    )
+    if r.familiarity is not None:
+        text += (
+            f"Familiarity **{r.familiarity:.2f}** (0 to 1: how much the photo looks like the "
+            "photos the model learnt from; about 0.5 for a typical one). "
+        )
     if r.locations:
-        how = ("the most likely cell" if cfg.hard_mode == "argmax"
-               else "sampled from the attention weights shown")
-        text += (f"White frames mark the one grid cell each word was decoded from ({how}). ")
+        how = (
+            "the most likely cell"
+            if cfg.hard_mode == "argmax"
+            else "sampled from the attention weights shown"
+        )
+        text += f"White frames mark the one grid cell each word was decoded from ({how}). "
     elif hard:
-        text += ("Decoded with the **expected context**: every word used the attention-weighted "
-                 "average of all cells, like soft attention, so no single cell was chosen and "
-                 "none is framed. ")
-    text += "Click a word or a panel to see where the model looked."
-    if r.warning:
-        text += f"\n\n**Warning:** {r.warning}."
-    return text
+        text += (
+            "Decoded with the **expected context**: every word used the attention-weighted "
+            "average of all cells, like soft attention, so no single cell was chosen and "
+            "none is framed. "
+        )
+    return text + "Click a word or a panel to see where the model looked."
 
 
-def ui_caption(service: CaptionService, image: Any, model: str | None = None,
-               beam_size: float | None = None, max_length: float | None = None,
-               hard_mode: str | None = None, length_penalty: float | None = None,
-               no_repeat_ngram: float | None = None, rerank: str | None = None,
-               scale: str = "word") -> UIOutputs:
-    """The UI event: status, caption, per-word state, word panels, word list, the first word's
-    view and its scale note, the all-words sheet and the beams. Bad input becomes a status
+def warning_update(done: Captioned) -> Any:
+    """The warning box above the caption: shown only when the result has a warning (a photo
+    unlike the training photos, a degenerate one)."""
+    w = done.result.warning
+    return gr.update(value=f"**Warning:** {w}." if w else "", visible=bool(w))
+
+
+def beam_table(done: Captioned) -> Any:
+    """The beams in the order that chose the caption (the caption first), with the score that
+    decided it and a label that says which one that is."""
+    rows = done.beam_rows()
+    penalty = done.decoding.length_penalty
+    score = "log p / length^" + f"{penalty:g}" if penalty else "log p"
+    if done.consensus is not None:
+        frame = pd.DataFrame(
+            [[i + 1, b["caption"], b["consensus"], b["score"]] for i, b in enumerate(rows)],
+            columns=["rank", "caption", "consensus (decided)", f"score ({score})"],
+        )
+        label = (
+            "Top beam captions, ranked by consensus reranking: agreement (CIDEr-D) with the "
+            "captions of the most similar training photos decided, not the score"
+        )
+    else:
+        frame = pd.DataFrame(
+            [[i + 1, b["caption"], b["score"]] for i, b in enumerate(rows)],
+            columns=["rank", "caption", f"score ({score}, decided)"],
+        )
+        label = f"Top beam captions, ranked by score ({score}: higher is more likely)"
+    return gr.update(value=frame, label=label)
+
+
+def ui_caption(
+    service: CaptionService,
+    image: Any,
+    model: str | None = None,
+    scale: str = drawing.DEFAULT_SCALE,
+    **decoding: Any,
+) -> UIOutputs:
+    """The UI event: the ``OUTPUTS``. ``decoding``: the controls' values; those of options that
+    do not apply to the model (its hidden controls) are ignored. Bad input becomes a status
     message (and one toast) and clears the previous photo's outputs; never an exception, so the
     page stays usable."""
     if image is None:
         return (PROMPT, *EMPTY)
     try:
         captioner = service.get(model)
-        soft = captioner.attention_type != "hard"
-        done = caption_image(service, image, model, beam_size=beam_size, max_length=max_length,
-                             hard_mode=None if soft else hard_mode,
-                             length_penalty=length_penalty, no_repeat_ngram=no_repeat_ngram,
-                             rerank=rerank if captioner.model.consensus else None)
+        done = caption_image(service, image, model, **options.applicable(captioner, decoding))
     except UserError as e:
         gr.Warning(str(e), duration=TOAST_SECONDS)
         what = "this file" if isinstance(e, ImageError) else "the image"
         return (f"**Cannot caption {what}:** {e}", *EMPTY)
     r = done.result
-    state = {"image": drawing.resized(done.image, VIEW_SIZE),
-             "small": drawing.resized(done.image, PANEL_SIZE),
-             "attention": r.attention, "locations": r.locations, "words": r.words}
-    beams = [[c, round(float(s), 3)] for c, s in r.beams]
-    words = gr.update(choices=[(w, i) for i, w in enumerate(r.words)],
-                      value=0 if r.words else None)
+    state = {
+        "image": drawing.resized(done.image, VIEW_SIZE),
+        "small": drawing.resized(done.image, PANEL_SIZE),
+        "attention": r.attention,
+        "locations": r.locations,
+        "words": r.words,
+    }
+    words = gr.update(choices=[(w, i) for i, w in enumerate(r.words)], value=0 if r.words else None)
     view, note = drawing.word_view(state, 0, scale)
     sheet = caption_sheet(drawing.resized(done.image, SHEET_SIZE), r) if r.words else None
-    return (status_text(done), r.caption, state, drawing.gallery(state, scale), words, view, note,
-            sheet, beams)
+    return (
+        status_text(done),
+        warning_update(done),
+        r.caption,
+        state,
+        drawing.gallery(state, scale),
+        words,
+        view,
+        note,
+        sheet,
+        beam_table(done),
+    )
 
 
 def clear_outputs(image: Any) -> UIOutputs:
@@ -93,26 +163,35 @@ def clear_outputs(image: Any) -> UIOutputs:
     previous photo's outputs. A new image leaves them to the caption event."""
     if image is None:
         return (PROMPT, *EMPTY)
-    return tuple(gr.skip() for _ in range(1 + len(EMPTY)))
+    return tuple(gr.skip() for _ in OUTPUTS)
+
+
+def refused_upload(message: str | None = None) -> UIOutputs:
+    """Gradio's page refused a file before uploading it (not an image type: .txt, .pdf) and
+    said so in a toast; the page then reports it here (app.REFUSAL_JS), and the previous photo's
+    outputs are cleared as for any other file that cannot be captioned."""
+    reason = (message or "").strip() or "the file is not an image"
+    return (
+        f"**Cannot caption this file:** {reason} ({REFUSED}; the photo shown is the previous one).",
+        *EMPTY,
+    )
 
 
 def model_controls(service: CaptionService, name: str | None) -> tuple[Any, ...]:
-    """The decoding controls set to a model's defaults: beam size, maximum length, hard mode
-    (shown for hard-attention models only), length penalty, no-repeat n-gram size, reranking
-    (shown for models with a consensus index only)."""
-    captioner = service.get(name)
-    d: DecodingConfig = captioner.decoding
-    return (gr.update(value=d.beam_size), gr.update(value=d.max_length),
-            gr.update(value=d.hard_mode, visible=captioner.attention_type == "hard"),
-            gr.update(value=d.length_penalty), gr.update(value=d.no_repeat_ngram),
-            gr.update(value=d.rerank, visible=captioner.model.consensus is not None))
+    """The decoding controls set to a model's defaults, each shown only where it applies to the
+    model (options.control_updates)."""
+    return options.control_updates(service.get(name))
 
 
-def show_word(state: dict | None, index: int | None, scale: str = "word") -> tuple[Any, str]:
+def show_word(
+    state: dict | None, index: int | None, scale: str = drawing.DEFAULT_SCALE
+) -> tuple[Any, str]:
     return drawing.word_view(state, index, scale)
 
 
-def rescale(state: dict | None, index: int | None, scale: str = "word") -> tuple[Any, ...]:
+def rescale(
+    state: dict | None, index: int | None, scale: str = drawing.DEFAULT_SCALE
+) -> tuple[Any, ...]:
     """The gallery and the selected word's view redrawn on another colour scale."""
     view, note = drawing.word_view(state, index, scale)
     return drawing.gallery(state, scale), view, note

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
-from showattendtell.cli_common import add_decoding_args, add_device_args, decoding_overrides
+from showattendtell.cli_common import (
+    add_decoding_args,
+    add_device_args,
+    add_model_arg,
+    decoding_overrides,
+)
 from showattendtell.errors import UsageError, UserError
 
 from .auth import AUTH_ENV, exposure_warning, read_auth
@@ -21,65 +28,189 @@ class ServeError(UsageError):
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start the web UI and API (Gradio) on 127.0.0.1:7860",
-                       description="Serve the captioner in the browser and through Gradio's API "
-                                   "(api_name='/caption').")
-    p.add_argument("--model", action="append", metavar="MODEL",
-                   help="a model file (.safetensors) or a model name (`sat models` lists them); "
-                        "A+B for an ensemble; repeat for a model menu (named by file stem). "
-                        "Default: $SAT_MODEL or the bundled model, then the other bundled models")
+    p = sub.add_parser(
+        "serve",
+        help="start the web UI and API (Gradio) on 127.0.0.1:7860",
+        description="Serve the captioner in the browser and through Gradio's API "
+        "(api_name='/caption').",
+    )
+    add_model_arg(p, menu=True)
     add_device_args(p)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0: all)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0: all)",
+    )
     p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
-    p.add_argument("--auth-file", metavar="FILE",
-                   help=f"require a login: FILE has one user:password a line (also "
-                        f"${AUTH_ENV}=user:password; never give passwords on the command line)")
-    p.add_argument("--max-upload-mb", type=float, default=10.0,
-                   help="largest accepted upload in MB (default 10)")
-    p.add_argument("--concurrency", type=int, default=8,
-                   help="requests processed at once; the rest wait in Gradio's queue (default 8)")
-    p.add_argument("--max-batch", type=int, default=8,
-                   help="most concurrent requests captioned as one batch (1: no batching)")
-    p.add_argument("--queue-size", type=int, default=64,
-                   help="most requests waiting in the queue before new ones are refused")
-    p.add_argument("--examples", nargs="*", metavar="PATH",
-                   help="example images or folders shown under the upload (default: the photos "
-                        "shipped in service/examples/; none: --examples with no path)")
+    p.add_argument(
+        "--auth-file",
+        metavar="FILE",
+        help=f"require a login: FILE has one user:password a line (also "
+        f"${AUTH_ENV}=user:password; never give passwords on the command line)",
+    )
+    p.add_argument(
+        "--max-upload-mb",
+        type=float,
+        default=10.0,
+        help="largest accepted upload in MB (default 10)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="requests processed at once; the rest wait in Gradio's queue (default 8)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="most concurrent requests captioned as one batch (1: no batching)",
+    )
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=64,
+        help="most requests waiting in the queue before new ones are refused",
+    )
+    p.add_argument(
+        "--examples",
+        nargs="*",
+        metavar="PATH",
+        help="example images or folders shown under the upload (default: the photos "
+        "shipped in service/examples/; none: --examples with no path)",
+    )
+    add_bounds(p)
     add_decoding_args(p)  # the defaults of the UI controls and of the API, for every model
     p.set_defaults(func=cmd_serve)
+
+
+def add_bounds(p: argparse.ArgumentParser) -> None:
+    """What bounds a service that runs for weeks: Gradio's cache folder and the sessions."""
+    g = p.add_argument_group("a service that runs for weeks")
+    g.add_argument(
+        "--cache-mb",
+        type=float,
+        default=500.0,
+        help="most MB of uploads and result images kept in Gradio's cache folder "
+        "(default 500; the oldest go first; 0: no bound)",
+    )
+    g.add_argument(
+        "--cache-hours",
+        type=float,
+        default=24.0,
+        help="uploads and result images older than this are removed (default 24; "
+        "0: kept until the cache bound needs the room)",
+    )
+    g.add_argument(
+        "--session-minutes",
+        type=float,
+        default=60.0,
+        help="how long a browser session keeps its captioned photo for the word "
+        "views after its last caption (default 60)",
+    )
+    g.add_argument(
+        "--max-sessions",
+        type=int,
+        default=1000,
+        help="sessions remembered at once, the oldest forgotten first (default 1000; "
+        "every API client is one)",
+    )
+
+
+def check_port(host: str, port: int) -> None:
+    """A ServeError naming ``--port`` if ``port`` cannot be bound on ``host`` (checked before the
+    models load, so a second `sat serve` says so at once)."""
+    if not 1 <= port <= 65535:
+        raise ServeError(f"--port must be from 1 to 65535, not {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ServeError(f"--host {host}: {e.strerror or e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ServeError(port_message(host, port, e)) from None
+
+
+def port_message(host: str, port: int, error: OSError) -> str:
+    """One line for a port that cannot be served on: in use (try another --port), or why not."""
+    if error.errno == errno.EADDRINUSE or "Cannot find empty port" in str(error):
+        return (
+            f"port {port} on {host} is already in use (another `sat serve`?); choose "
+            f"another with --port N, e.g. --port {port + 1 if port < 65535 else 8080}"
+        )
+    if error.errno == errno.EACCES:
+        return (
+            f"no permission to serve on port {port} (ports below 1024 need root); choose "
+            f"another with --port N, e.g. --port 7860"
+        )
+    return f"cannot serve on {host}:{port}: {error.strerror or error}"
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The numeric service options, before anything slow."""
+    if args.max_upload_mb <= 0:
+        raise ServeError("--max-upload-mb must be positive")
+    for flag, value in (("--cache-mb", args.cache_mb), ("--cache-hours", args.cache_hours)):
+        if not value >= 0:
+            raise ServeError(f"{flag} must be 0 (no limit) or positive, not {value:g}")
+    if not args.session_minutes > 0:
+        raise ServeError(f"--session-minutes must be positive, not {args.session_minutes:g}")
+    if args.max_sessions < 1:
+        raise ServeError(f"--max-sessions must be at least 1, not {args.max_sessions}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a server
     # Every option is checked before the (slow) imports and model loading.
-    if args.max_upload_mb <= 0:
-        raise ServeError("--max-upload-mb must be positive")
+    check_options(args)
     decoding = decoding_overrides(args)  # DecodingError (exit 2) for a value out of range
     auth = read_auth(args.auth_file)
     missing = [p for p in args.examples or [] if not Path(p).exists()]
     if missing:
         raise ServeError(f"--examples {missing[0]}: no such file or folder")
+    check_port(args.host, args.port)
     warning = exposure_warning(args.host, auth)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
 
     from showattendtell.service.app import launch
+    from showattendtell.service.cache import CacheBound
     from showattendtell.service.uploads import find_examples
     from showattendtell.service.worker import load_service
 
     try:
-        service = load_service(args.model, args.device, max_batch=args.max_batch,
-                               decoding=decoding, precision=args.precision)
+        service = load_service(
+            args.model,
+            args.device,
+            max_batch=args.max_batch,
+            decoding=decoding,
+            precision=args.precision,
+        )
     except UserError:
         raise
     except ValueError as e:  # resolve_device: no CUDA GPU
         raise ServeError(str(e)) from None
+    cache = CacheBound(int(args.cache_mb * 2**20) or None, args.cache_hours * 3600 or None)
     try:
-        launch(service, args.host, args.port, args.max_upload_mb, find_examples(args.examples),
-               args.concurrency, args.queue_size, auth=auth)
-    except OSError as e:
-        raise ServeError(f"cannot serve on {args.host}:{args.port}: {e}") from None
+        launch(
+            service,
+            args.host,
+            args.port,
+            args.max_upload_mb,
+            find_examples(args.examples),
+            args.concurrency,
+            args.queue_size,
+            auth=auth,
+            cache=cache,
+            session_minutes=args.session_minutes,
+            max_sessions=args.max_sessions,
+        )
+    except OSError as e:  # the port was taken while the models loaded
+        raise ServeError(port_message(args.host, args.port, e)) from None
     finally:
         service.close()
     return 0

@@ -46,25 +46,43 @@ def upload_source(upload: Any, max_bytes: int | None = None) -> str | bytes:
     raise ServiceError(NO_IMAGE)
 
 
-def read_upload(upload: Any, max_bytes: int | None = None,
-                min_size: int | None = None) -> Image.Image:
+def upload_path(upload: Any) -> str | None:
+    """The file an upload names in Gradio's cache (None for inline data and images)."""
+    if isinstance(upload, dict):
+        upload = upload.get("path")
+    if isinstance(upload, (str, Path)) and str(upload) and not str(upload).startswith("data:"):
+        return str(upload)
+    return None
+
+
+def read_upload(
+    upload: Any, max_bytes: int | None = None, min_size: int | None = None
+) -> Image.Image:
     """Decode an upload (a Gradio file dict, a path, a data URL, bytes or a PIL image) to an
     upright RGB image (a large JPEG at a reduced size no smaller than ``min_size``, as
     ``open_image`` does for `sat caption`: the same encoder input from both). An ImageError
     names the file as the user knows it, not by its path on the server."""
-    source = (upload if isinstance(upload, (bytes, Image.Image))
-              else upload_source(upload, max_bytes))
+    source = (
+        upload if isinstance(upload, (bytes, Image.Image)) else upload_source(upload, max_bytes)
+    )
+    name = upload.get("orig_name") if isinstance(upload, dict) else None
+    if isinstance(source, str) and not Path(source).exists():
+        # removed from Gradio's cache (cache.py) since it was uploaded: the page still shows it
+        raise ServiceError(
+            f"{name or Path(source).name} is no longer on the server (uploads "
+            "are removed after a while); upload it again"
+        )
     try:
         return open_image(source, min_size=min_size)
     except ImageError as e:
         if not isinstance(source, str):
             raise
-        name = upload.get("orig_name") if isinstance(upload, dict) else None
         raise ImageError(str(e).replace(source, name or Path(source).name)) from None
 
 
-def find_examples(paths: Sequence[str | Path] | None = None,
-                  limit: int = MAX_EXAMPLES) -> list[Path]:
+def find_examples(
+    paths: Sequence[str | Path] | None = None, limit: int = MAX_EXAMPLES
+) -> list[Path]:
     """Example photos: the given files/folders (None: the photos shipped in service/examples)."""
     candidates = [EXAMPLES_DIR] if paths is None else [Path(p) for p in paths]
     found: list[Path] = []

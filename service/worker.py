@@ -14,17 +14,30 @@ from typing import Any
 import torch
 from PIL import Image
 
+from showattendtell import familiarity
 from showattendtell.catalog import bundled_models, default_model_path, resolve_models
-from showattendtell.decoding import DecodingConfig
+from showattendtell.consensus import ConsensusIndex
+from showattendtell.decoding import DECODING_OPTIONS, DecodingConfig
 from showattendtell.errors import UserError
 from showattendtell.images import image_warning, preprocess
 from showattendtell.inference import Captioner, CaptionResult, load_model
+
+from .cache import CacheBound
 
 log = logging.getLogger(__name__)
 
 
 class ServiceError(UserError):
     """A request the service cannot answer (no image, an unknown model)."""
+
+
+@dataclass
+class Served:
+    """A caption as the service answers it: the result, and when the beam's captions were
+    reranked by consensus, each beam's consensus score (the score that decided their order)."""
+
+    result: CaptionResult
+    consensus: list[float] | None = None
 
 
 @dataclass
@@ -54,8 +67,12 @@ class CaptionService:
     settings with the `sat serve` decoding options applied); a request's options override it.
     """
 
-    def __init__(self, captioners: dict[str, Captioner], max_batch: int = 8,
-                 max_upload_bytes: int = 10 * 2**20):
+    def __init__(
+        self,
+        captioners: dict[str, Captioner],
+        max_batch: int = 8,
+        max_upload_bytes: int = 10 * 2**20,
+    ):
         if not captioners:
             raise ServiceError("no model to serve")
         self.captioners = captioners
@@ -65,6 +82,7 @@ class CaptionService:
         self._worker = threading.Thread(target=self._run, name="caption-worker", daemon=True)
         self._worker.start()
         self.batch_sizes: list[int] = []  # observed batch sizes (for tests and benchmarks)
+        self.cache = CacheBound(None)  # Gradio's cache bound; launch() sets the real one
 
     @property
     def names(self) -> list[str]:
@@ -79,22 +97,50 @@ class CaptionService:
 
     def decoding(self, name: str | None, **overrides: Any) -> DecodingConfig:
         """The settings a request gets: the model's defaults with ``overrides`` (None: keep),
-        checked by DecodingConfig (a DecodingError names a value out of range)."""
-        return self.get(name).check_decoding(**overrides)
+        checked by DecodingConfig (a DecodingError names a value out of range). An option that
+        does not apply to the model (a hard-attention mode for a soft-attention model) stays
+        the model's own, so that it neither splits batches nor shows in the settings."""
+        from .options import applies
 
-    def caption(self, image: Image.Image, model: str | None = None,
-                decoding: DecodingConfig | None = None, timeout: float = 300.0) -> CaptionResult:
+        captioner = self.get(name)
+        config = captioner.check_decoding(**overrides)
+        fixed = {
+            n: getattr(captioner.decoding, n)
+            for n, opt in DECODING_OPTIONS.items()
+            if not applies(opt, captioner)
+        }
+        return config.with_overrides(**fixed)
+
+    def caption(
+        self,
+        image: Image.Image,
+        model: str | None = None,
+        decoding: DecodingConfig | None = None,
+        timeout: float = 300.0,
+    ) -> CaptionResult:
         """Caption one decoded RGB image (batched with concurrent requests); ``decoding``
         None: the model's defaults. The result's warning flags a degenerate photo."""
+        return self.caption_ranked(image, model, decoding, timeout).result
+
+    def caption_ranked(
+        self,
+        image: Image.Image,
+        model: str | None = None,
+        decoding: DecodingConfig | None = None,
+        timeout: float = 300.0,
+    ) -> Served:
+        """:meth:`caption`, with the beams' consensus scores when they were reranked."""
         captioner = self.get(model)
-        job = _Job(captioner, preprocess(image, captioner.input_size),
-                   decoding or captioner.decoding)
+        job = _Job(
+            captioner, preprocess(image, captioner.input_size), decoding or captioner.decoding
+        )
         self._queue.put(job)
-        result = job.future.result(timeout=timeout)
-        result.add_warning(image_warning(image))
-        return result
+        served = job.future.result(timeout=timeout)
+        served.result.add_warning(image_warning(image))
+        return served
 
     def close(self) -> None:
+        self.cache.stop()
         self._queue.put(None)
 
     def _run(self) -> None:
@@ -124,15 +170,35 @@ class CaptionService:
         self.batch_sizes.append(len(group))
         first = group[0]
         try:
-            results = first.captioner.caption_batch(torch.stack([j.tensor for j in group]),
-                                                    **first.decoding.to_dict())
+            served = caption_group(
+                first.captioner, torch.stack([j.tensor for j in group]), first.decoding
+            )
         except Exception as e:  # keep serving; every waiting request gets the error
             log.exception("captioning failed")
             for job in group:
                 job.future.set_exception(e)
             return
-        for job, result in zip(group, results, strict=True):
-            job.future.set_result(result)
+        for job, one in zip(group, served, strict=True):
+            job.future.set_result(one)
+
+
+def caption_group(
+    captioner: Captioner, batch: torch.Tensor, decoding: DecodingConfig
+) -> list[Served]:
+    """Caption a batch of preprocessed images with one model and one decoding; with consensus
+    reranking, also each beam's consensus score, computed as the reranking computed it (the same
+    index, pooled grids and captions), so the UI can show the number that chose the caption."""
+    annotations = captioner.encode(batch)
+    results = captioner.caption_annotations(annotations, **decoding.to_dict())
+    index = captioner.model.consensus
+    if decoding.rerank != "consensus" or decoding.beam_size == 1 or index is None:
+        return [Served(r) for r in results]
+    scores = index.rerank(
+        ConsensusIndex.pool(annotations), [[c for c, _ in r.beams] for r in results]
+    )
+    return [
+        Served(r, [round(float(x), 4) for x in s]) for r, s in zip(results, scores, strict=True)
+    ]
 
 
 def model_paths(specs: Sequence[str | Path] | None) -> list[list[Path]]:
@@ -146,9 +212,13 @@ def model_paths(specs: Sequence[str | Path] | None) -> list[list[Path]]:
     return [[p] for p in found + [p for p in bundled_models() if p != found[0]]]
 
 
-def load_service(specs: Sequence[str | Path] | None = None, device: str = "auto",
-                 max_batch: int = 8, decoding: Mapping[str, Any] | None = None,
-                 precision: str = "32") -> CaptionService:
+def load_service(
+    specs: Sequence[str | Path] | None = None,
+    device: str = "auto",
+    max_batch: int = 8,
+    decoding: Mapping[str, Any] | None = None,
+    precision: str = "32",
+) -> CaptionService:
     """Load every model (named by file stem) onto ``device`` and start the worker.
 
     ``decoding``: options (None values: keep each model's stored one) that replace the stored
@@ -164,9 +234,9 @@ def load_service(specs: Sequence[str | Path] | None = None, device: str = "auto"
             name = "+".join(f"{p.parent.name}/{p.stem}" for p in paths)
         captioner.name = name
         captioner.decoding = captioner.check_decoding(**overrides)
-        if captioner.model.consensus is not None:  # its CIDEr-D tables (about 1.5 s) now,
-            captioner.model.consensus.prepare()  # not on the first request
+        if captioner.model.consensus is not None:  # its CIDEr-D tables (about 1.5 s) and
+            captioner.model.consensus.prepare()  # familiarity calibration (about 0.5 s) now,
+            familiarity.for_index(captioner.model.consensus).reference()  # not on a request
         captioners[name] = captioner
-        log.info("loaded %s (%s attention) on %s", name, captioner.attention_type,
-                 captioner.device)
+        log.info("loaded %s (%s attention) on %s", name, captioner.attention_type, captioner.device)
     return CaptionService(captioners, max_batch=max_batch)

@@ -1,0 +1,145 @@
+"""What the web service's tests share (tests/test_service_*.py): real photos, odd and bad files,
+tiny models served in-process and on a live port, a model with a consensus index.
+
+The real photos are the example photos shipped in service/examples/, so the service's tests need
+no data outside the repository.
+"""
+
+from __future__ import annotations
+
+import io
+import socket
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from showattendtell.service.app import launch
+from showattendtell.service.uploads import EXAMPLES_DIR, find_examples
+from showattendtell.service.worker import CaptionService, load_service
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def photo(i: int = 0) -> Path:
+    """A real photo: one of the example photos that ship with the service."""
+    return sorted(EXAMPLES_DIR.glob("*.jpg"))[i]
+
+
+def black(size: tuple[int, int] = (160, 120)) -> Image.Image:
+    return Image.new("RGB", size, "black")
+
+
+def white_pixels(image: Image.Image) -> int:
+    return int(np.all(np.asarray(image.convert("RGB")) == 255, axis=-1).sum())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def png_bomb(width: int = 20000, height: int = 20000) -> bytes:
+    """A tiny PNG that claims 20000x20000 pixels (a decompression bomb): header + a zlib stream."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    idat = zlib.compress(b"\0" * (width + 1) * 64, 9)  # only the first rows: never decoded
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def bad_inputs(tmp: Path) -> dict[str, Path]:
+    """Files that are not photos, or broken ones, named as a user would have them."""
+    files = {"text": b"this is not an image\n", "empty": b"", "bomb": png_bomb()}
+    buf = io.BytesIO()
+    Image.new("RGB", (400, 300), "red").save(buf, "JPEG")
+    files["truncated"] = buf.getvalue()[: len(buf.getvalue()) // 3]
+    names = {"text": "notes.txt", "empty": "empty.jpg", "bomb": "bomb.png", "truncated": "cut.jpg"}
+    for k, data in files.items():
+        (tmp / names[k]).write_bytes(data)
+    return {k: tmp / names[k] for k in files}
+
+
+EXPECTED = {
+    "text": "not an image",
+    "empty": "empty",
+    "bomb": "too large",
+    "truncated": "corrupt or truncated",
+}
+
+
+def indexed_model(tiny_model_file: Path, folder: Path, photos: int = 24) -> Path:
+    """The tiny model with a consensus index of ``photos`` synthetic photos (their real pooled
+    grids and captions), storing consensus reranking as its default: beams are reranked and
+    results carry a familiarity."""
+    from synthetic import make_example
+
+    from showattendtell.consensus import ConsensusIndex
+    from showattendtell.decoding import DecodingConfig
+    from showattendtell.images import preprocess
+    from showattendtell.model_file import read_model, save_model
+
+    model, _, _ = read_model(tiny_model_file)
+    rng = np.random.default_rng(1)
+    examples = [make_example(rng) for _ in range(photos)]
+    size = model.encoder.config.input_size
+    with torch.no_grad():
+        grids = model.encoder(torch.stack([preprocess(img, size) for img, _, _ in examples]))
+    refs = [[caption, f"a {caption}"] for _, caption, _ in examples]
+    model.consensus = ConsensusIndex(ConsensusIndex.pool(grids), refs, 4)
+    return save_model(
+        model, folder / "indexed.safetensors", DecodingConfig(beam_size=3, rerank="consensus")
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_expected_file(tiny_hard_model_file: Path, tmp_path_factory) -> Path:
+    """The tiny hard-attention model storing hard_mode 'expectation' (the bundled one stores
+    'argmax'): the controls must start at a model's stored mode, whichever it is."""
+    from showattendtell.model_file import read_model, save_model
+
+    model, decoding, info = read_model(tiny_hard_model_file)
+    return save_model(
+        model,
+        tmp_path_factory.mktemp("models") / "tiny_hard_expected.safetensors",
+        decoding.with_overrides(hard_mode="expectation"),
+        info=info,
+    )
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_file: Path, tiny_expected_file: Path):
+    """A soft model (the default) and a hard one whose stored hard mode is 'expectation'."""
+    svc = load_service([tiny_model_file, tiny_expected_file], device="cpu")
+    yield svc
+    svc.close()
+
+
+@pytest.fixture(scope="module")
+def indexed_service(tiny_model_file: Path, tmp_path_factory):
+    """A model with a consensus index (the default) and the plain soft model."""
+    path = indexed_model(tiny_model_file, tmp_path_factory.mktemp("indexed"))
+    svc = load_service([path, tiny_model_file], device="cpu")
+    yield svc
+    svc.close()
+
+
+@pytest.fixture(scope="module")
+def server(service: CaptionService):
+    """The app served on 127.0.0.1 (a free port) exactly as `sat serve` does, 1 MB upload limit,
+    with the shipped example photos."""
+    port = free_port()
+    app = launch(service, "127.0.0.1", port, max_upload_mb=1, block=False, examples=find_examples())
+    yield f"http://127.0.0.1:{port}/"
+    app.close()

@@ -1,0 +1,314 @@
+"""The captioning function behind the UI and the API (service/captioning.py, worker.py,
+uploads.py): real photos and odd files, the API's JSON, decoding options, batching, consensus
+beams and familiarity."""
+
+# ruff: noqa: F811 (the shared fixtures imported from service_helpers are parameters)
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from showattendtell.decoding import MAX_BEAM_SIZE, MAX_CAPTION_LENGTH, DecodingError
+from showattendtell.images import ImageError, full_size
+
+gr = pytest.importorskip("gradio")
+from service_helpers import (  # noqa: E402, F401 (fixtures)
+    EXPECTED,
+    bad_inputs,
+    indexed_service,
+    photo,
+    service,
+    tiny_expected_file,
+)
+from showattendtell.service import events  # noqa: E402
+from showattendtell.service.captioning import api_caption, caption_image  # noqa: E402
+from showattendtell.service.worker import CaptionService, load_service  # noqa: E402
+
+
+def test_caption_real_photo_soft_and_hard(service: CaptionService):
+    soft, hard = service.names
+    done = caption_image(service, str(photo(0)), soft, beam_size=3, max_length=8)
+    d = json.loads(json.dumps(done.to_json(), allow_nan=False))  # strict JSON, as the API sends
+    n, g = len(d["words"]), d["grid"]
+    assert n >= 1 and d["caption"] == " ".join(d["words"]) and d["attention_type"] == "soft"
+    att = np.array(d["attention"])
+    assert att.shape == (n, g, g) and np.allclose(att.sum((1, 2)), 1, atol=1e-3)
+    assert d["beams"][0]["caption"] == d["caption"] and 1 <= len(d["beams"]) <= 3
+    assert d["ranked_by"] == "score" and "consensus" not in d["beams"][0]
+    assert d["image_size"] == list(Image.open(photo(0)).size) and d["locations"] is None
+    assert "warning" not in d and d["familiarity"] is None  # no index: no familiarity
+    expected = set(done.result.to_dict(with_attention=True)) | {
+        "beams",
+        "ranked_by",
+        "model",
+        "attention_type",
+        "grid",
+        "locations",
+        "image_size",
+        "decoding",
+    }
+    assert set(d) == expected
+    assert {"caption", "words", "score", "log_prob", "attention", "familiarity"} <= expected
+    numbers = [x for word in d["attention"] for row in word for x in row]
+    assert all(len(repr(x)) <= 7 for x in numbers)  # 5 decimals, not float32 noise
+
+    h = caption_image(
+        service, photo(0).read_bytes(), hard, beam_size=1, hard_mode="argmax"
+    ).to_json()
+    assert h["attention_type"] == "hard" and len(h["beams"]) == 1
+    assert h["decoding"]["hard_mode"] == "argmax" and len(h["locations"]) == len(h["words"])
+    for (r, c), grid in zip(h["locations"], h["attention"], strict=True):
+        assert 0 <= r < h["grid"] and 0 <= c < h["grid"]
+        assert np.argmax(grid) == r * h["grid"] + c  # argmax mode: the chosen cell is the peak
+
+
+def test_soft_model_reports_no_hard_mode(service: CaptionService):
+    """The API's decoding lists only the settings that shaped the caption: a soft model has no
+    hard-attention mode (given or not), a model without an index no reranking."""
+    soft, hard = service.names
+    for kw in ({}, {"hard_mode": "sample"}):
+        d = api_caption(service, str(photo(0)), soft, **kw)
+        assert "hard_mode" not in d["decoding"] and "rerank" not in d["decoding"]
+        assert d["decoding"]["beam_size"] == service.get(soft).decoding.beam_size
+    assert api_caption(service, str(photo(0)), hard)["decoding"]["hard_mode"] == "expectation"
+    # a mode asked of a soft model neither errs nor splits its batches
+    assert service.decoding(soft, hard_mode="sample") == service.decoding(soft)
+
+
+def test_decoding_options_are_checked_never_defaulted(service: CaptionService):
+    soft, hard = service.names
+    for kw, message in [
+        ({"beam_size": 0}, "beam size"),
+        ({"beam_size": 2.5}, "beam size"),
+        ({"beam_size": MAX_BEAM_SIZE + 1}, "beam size"),
+        ({"max_length": 0}, "maximum length"),
+        ({"max_length": MAX_CAPTION_LENGTH + 1}, "maximum length"),
+        ({"hard_mode": "best"}, "hard-attention mode"),
+        ({"length_penalty": -1}, "length penalty"),
+        ({"no_repeat_ngram": "2"}, "no-repeat"),
+        ({"rerank": "best"}, "reranking"),
+        ({"rerank": "consensus"}, "consensus index"),
+    ]:  # it has none
+        with pytest.raises(DecodingError, match=message):
+            caption_image(service, str(photo(0)), hard, **kw)
+        with pytest.raises(gr.Error, match=message):  # the API client gets the message
+            api_caption(service, str(photo(0)), hard, **kw)
+    # the limits are decoding.py's: the largest allowed values work
+    d = api_caption(service, str(photo(0)), soft, beam_size=float(MAX_BEAM_SIZE), max_length=2)
+    assert d["decoding"]["beam_size"] == MAX_BEAM_SIZE and len(d["words"]) <= 2
+    # not given: each model's own defaults (the hard one stores 'expectation')
+    d = api_caption(service, str(photo(0)), hard)
+    assert d["decoding"] == {
+        k: v for k, v in service.get(hard).decoding.to_dict().items() if k != "rerank"
+    }
+    assert d["decoding"]["hard_mode"] == "expectation" and d["locations"] is None
+
+
+def test_consensus_beams_are_ranked_by_the_score_that_decided(
+    indexed_service: CaptionService,
+):
+    """With consensus reranking the beams come in the order the consensus chose, each with its
+    consensus score (the number that decided, highest first), and ranked_by says so; without
+    it they are ordered by their score."""
+    indexed, plain = indexed_service.names
+    for i in range(3):
+        done = caption_image(indexed_service, str(photo(i)), indexed, beam_size=3)
+        d = done.to_json()
+        assert d["ranked_by"] == "consensus" and d["decoding"]["rerank"] == "consensus"
+        consensus = [b["consensus"] for b in d["beams"]]
+        assert (
+            consensus == sorted(consensus, reverse=True)
+            and d["beams"][0]["caption"] == d["caption"]
+        )
+        scores = [s for _, s in done.result.beams]
+        assert len(scores) == len(consensus)
+        d = api_caption(indexed_service, str(photo(i)), indexed, rerank="none")
+        assert d["ranked_by"] == "score" and "consensus" not in d["beams"][0]
+        scores = [b["score"] for b in d["beams"]]
+        assert scores == sorted(scores, reverse=True)
+    # greedy: one caption, nothing reranked
+    assert api_caption(indexed_service, str(photo(0)), indexed, beam_size=1)["ranked_by"] == "score"
+
+
+def test_familiarity_and_its_warning_reach_the_api(
+    indexed_service: CaptionService,
+    monkeypatch,
+):
+    indexed, _ = indexed_service.names
+    d = api_caption(indexed_service, str(photo(0)), indexed)
+    assert 0.0 <= d["familiarity"] <= 1.0
+    from showattendtell import familiarity
+
+    monkeypatch.setattr(familiarity.Familiarity, "warning", lambda self, f: familiarity.WARNING)
+    d = api_caption(indexed_service, str(photo(0)), indexed)
+    assert familiarity.WARNING in d["warning"]
+
+
+def test_batches_group_by_the_full_decoding_config(tiny_model_file):
+    """Requests that differ in any decoding value (here only the length penalty or the
+    no-repeat size) are never decoded in one batch; equal ones are."""
+    svc = load_service([tiny_model_file], device="cpu", max_batch=8)
+    groups: list[list[dict]] = []
+    release = threading.Event()
+    original = svc._run_group
+
+    def recording(group):
+        groups.append([j.decoding.to_dict() for j in group])
+        if len(groups) == 1:
+            release.wait(120)  # hold the worker until the other requests have queued
+        original(group)
+
+    svc._run_group = recording
+    img = Image.open(photo(1)).convert("RGB")
+    configs = [
+        svc.decoding(None),
+        svc.decoding(None, length_penalty=1.0),
+        svc.decoding(None, no_repeat_ngram=2),
+        svc.decoding(None),
+        svc.decoding(None, length_penalty=1.0),
+    ]
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        results[i] = svc.caption(img, None, configs[i]).caption
+
+    def wait_until(condition) -> None:  # poll (no time limit asserted: at most 10 minutes)
+        for _ in range(60_000):
+            if condition():
+                return
+            release.wait(0.01)
+        raise AssertionError("the requests never queued")
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    wait_until(lambda: groups)  # the worker is busy with the first request
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(configs))]
+    for t in threads:
+        t.start()
+    wait_until(lambda: svc._queue.qsize() == len(threads))
+    release.set()
+    for t in [first, *threads]:
+        t.join(120)
+    svc.close()
+    assert len(results) == len(configs)
+    later = sorted((sorted(json.dumps(c, sort_keys=True) for c in g) for g in groups[1:]), key=len)
+    assert [len(g) for g in later] == [1, 1, 2]  # penalty 1 twice together, the others alone
+    for g in later:
+        assert len(set(g)) == 1  # one batch, one config
+    assert sum(len(g) for g in groups) == len(configs)
+
+
+def test_degenerate_photo_warning(service: CaptionService):
+    wide = Image.new("RGB", (900, 40), "green")  # aspect 22:1
+    d = caption_image(service, wide).to_json()
+    assert "aspect ratio" in d["warning"]
+    out = dict(zip(events.OUTPUTS, events.ui_caption(service, wide), strict=True))
+    assert "aspect ratio" in out["warning"]["value"] and out["warning"]["visible"] is True
+    tiny = caption_image(service, Image.new("RGB", (12, 12), "red")).to_json()
+    assert "12x12" in tiny["warning"]
+
+
+def _odd_formats(source: Path, tmp: Path) -> dict[str, tuple[Path, tuple[int, int]]]:
+    """Awkward but valid files made from a real photo, with the upright size each must decode to."""
+    img = Image.open(source).convert("RGB")
+    img.thumbnail((320, 320))
+    w, h = img.size
+    out = {}
+    p = tmp / "cmyk.jpg"
+    img.convert("CMYK").save(p, quality=90)
+    out["cmyk"] = (p, (w, h))
+    p = tmp / "grey16.png"
+    Image.fromarray((np.asarray(img.convert("L"), np.uint16) * 257).astype(np.uint16)).save(p)
+    out["16-bit"] = (p, (w, h))
+    p = tmp / "rgba.png"
+    rgba = img.convert("RGBA")
+    rgba.putalpha(128)
+    rgba.save(p)
+    out["rgba"] = (p, (w, h))
+    p = tmp / "palette.png"
+    img.convert("P", palette=Image.Palette.ADAPTIVE).save(p, transparency=0)
+    out["palette"] = (p, (w, h))
+    p = tmp / "animated.gif"
+    img.save(p, save_all=True, append_images=[Image.new("RGB", (w, h), "black")], duration=100)
+    out["gif"] = (p, (w, h))
+    p = tmp / "rotated.jpg"  # stored sideways; EXIF orientation 6 says "rotate 90 clockwise"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    img.transpose(Image.Transpose.ROTATE_90).save(p, exif=exif, quality=90)
+    out["exif"] = (p, (w, h))
+    return out
+
+
+def test_odd_but_valid_formats(service: CaptionService, tmp_path: Path):
+    reference = Image.open(photo(2)).convert("RGB")
+    reference.thumbnail((320, 320))
+    for kind, (path, size) in _odd_formats(photo(2), tmp_path).items():
+        done = caption_image(service, {"path": str(path), "orig_name": path.name})
+        # a JPEG may be decoded reduced (the tiny model reads 64 px): the photo's size is kept
+        assert done.image.mode == "RGB" and full_size(done.image) == size, kind
+        assert done.to_json()["image_size"] == list(size), kind
+        assert done.result.words, kind
+        if kind in ("gif", "exif", "cmyk"):  # first frame / upright / right colours
+            seen = np.asarray(reference.resize(done.image.size), np.float32)
+            diff = np.abs(np.asarray(done.image, np.float32) - seen)
+            assert diff.mean() < 25, (kind, diff.mean())
+
+
+def test_bad_input_gives_clear_messages(service: CaptionService, tmp_path: Path):
+    for kind, path in bad_inputs(tmp_path).items():
+        upload = {"path": str(path), "orig_name": f"my_{path.name}"}
+        with pytest.raises(ImageError, match=EXPECTED[kind]) as e:
+            caption_image(service, upload)
+        assert (
+            str(path) not in str(e.value) and f"my_{path.name}" in str(e.value) or kind == "empty"
+        )
+        with pytest.warns(UserWarning):  # the UI: a status message and a toast, no exception
+            status, _, caption, *_ = events.ui_caption(service, upload)
+        assert status.startswith("**Cannot caption this file:**") and EXPECTED[kind] in status
+        assert caption == ""
+        with pytest.raises(gr.Error, match=EXPECTED[kind]):
+            api_caption(service, upload)
+    with pytest.raises(gr.Error, match="no image"):
+        api_caption(service, None)
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), "blue").save(buf, "PNG")
+    inline = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert caption_image(service, {"url": inline}).image.size == (64, 48)  # pasted inline
+    too_big = "A" * 4 * (service.max_upload_bytes // 3 + 2)  # decodes to just over the limit
+    with pytest.raises(ImageError, match="MB limit"):
+        caption_image(service, {"url": "data:image/png;base64," + too_big})
+    with pytest.raises(gr.Error, match="unknown model"):
+        api_caption(service, str(tmp_path / "notes.txt"), "nope")
+    # an upload removed from Gradio's cache since (cache.py): say to upload it again
+    with pytest.raises(gr.Error, match="no longer on the server.*upload it again"):
+        api_caption(service, {"path": str(tmp_path / "gone.jpg"), "orig_name": "mine.jpg"})
+
+
+def test_concurrent_requests_are_batched_with_the_same_results(
+    service: CaptionService,
+):
+    photos = [photo(i) for i in range(4)]
+    alone = [caption_image(service, str(p)).result.caption for p in photos]
+    before = len(service.batch_sizes)
+    results: dict[int, str] = {}
+    barrier = threading.Barrier(len(photos))
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = caption_image(service, str(photos[i])).result.caption
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(photos))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results[i] for i in range(len(photos))] == alone
+    assert sum(service.batch_sizes[before:]) == len(photos)

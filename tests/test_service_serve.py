@@ -1,0 +1,340 @@
+"""`sat serve` (service/serve.py, service/auth.py): options, models, logins, the busy port, and
+the decoding flags made from decoding.py's option table."""
+
+# ruff: noqa: F811 (the shared fixtures imported from service_helpers are parameters)
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from showattendtell.catalog import BUNDLED_DIR, ModelNotFound
+from showattendtell.cli import build_parser, main
+from showattendtell.decoding import DECODING_OPTIONS
+
+pytest.importorskip("gradio")
+from service_helpers import ROOT, tiny_expected_file  # noqa: E402, F401 (fixtures)
+from showattendtell.service.auth import (  # noqa: E402
+    AUTH_ENV,
+    AuthError,
+    exposure_warning,
+    read_auth,
+)
+from showattendtell.service.worker import load_service, model_paths  # noqa: E402
+
+needs_bundled = pytest.mark.skipif(
+    not (BUNDLED_DIR / "flickr8k_lite2_hard.safetensors").is_file(),
+    reason="bundled model flickr8k_lite2_hard not installed",
+)
+
+
+def subparser(name: str):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+def test_serve_cli_defaults_are_safe():
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.device) == ("127.0.0.1", 7860, "auto")
+    assert args.max_upload_mb > 0 and args.func.__module__ == "showattendtell.service.serve"
+    assert args.auth_file is None
+    assert args.cache_mb > 0 and args.cache_hours > 0 and args.session_minutes > 0
+    # the decoding options of `sat caption`, each None: the model's stored value
+    assert all(getattr(args, name) is None for name in DECODING_OPTIONS)
+
+
+def test_decoding_flags_come_from_the_option_table():
+    """Every DecodingConfig field is a flag of every command that decodes, with its help text;
+    the table, not a list in the CLI, decides (an option added to it appears everywhere)."""
+    for command in ("caption", "evaluate", "serve", "export"):
+        actions = {a.dest: a for a in subparser(command)._actions}
+        for name, opt in DECODING_OPTIONS.items():
+            assert actions[name].option_strings == [opt.flag], (command, name)
+            assert actions[name].help == opt.help and actions[name].default is None
+
+
+def test_a_new_option_in_the_table_reaches_the_cli(monkeypatch):
+    from dataclasses import replace
+
+    from showattendtell import decoding
+    from showattendtell.cli_common import add_decoding_args
+
+    extra = replace(DECODING_OPTIONS["beam_size"], name="top_k", label="top k", help="k words")
+    monkeypatch.setattr(decoding, "DECODING_OPTIONS", {**DECODING_OPTIONS, "top_k": extra})
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_decoding_args(p)
+    assert p.parse_args(["--top-k", "4"]).top_k == 4
+
+
+def test_model_option_is_declared_once():
+    """--model comes from cli_common.add_model_arg everywhere: one help text, and only
+    `sat serve` takes it more than once (its model menu)."""
+    sources = [ROOT / "service" / "serve.py", *(ROOT / "src/showattendtell/commands").glob("*.py")]
+    for path in sources:
+        assert '"--model"' not in path.read_text(), path.name
+    helps = {
+        c: next(a.help for a in subparser(c)._actions if a.dest == "model")
+        for c in ("caption", "evaluate", "serve")
+    }
+    assert helps["caption"] == helps["evaluate"] and helps["serve"].startswith(helps["caption"])
+    assert build_parser().parse_args(["serve", "--model", "a", "--model", "b"]).model == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--beam-size", "0"], "beam size"),
+        (["--max-length", "500"], "maximum length"),
+        (["--hard-mode", "best"], "hard-attention mode"),
+        (["--length-penalty", "nan"], "length penalty"),
+        (["--no-repeat-ngram", "-1"], "no-repeat"),
+        (["--cache-mb", "-1"], "--cache-mb"),
+        (["--session-minutes", "0"], "--session-minutes"),
+        (["--max-sessions", "0"], "--max-sessions"),
+        (["--port", "70000"], "--port"),
+    ],
+)
+def test_serve_bad_option_exits_2_before_loading(option, message, monkeypatch, capsys):
+    def must_not_load(*a, **k):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr("showattendtell.service.worker.load_service", must_not_load)
+    assert main(["serve", *option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_busy_port_says_port_in_one_line(monkeypatch, capsys):
+    """A second `sat serve` on a taken port: one line naming --port N, before any model loads,
+    never Gradio's advice about GRADIO_SERVER_PORT."""
+
+    def must_not_load(*a, **k):
+        raise AssertionError("a model was loaded although the port is taken")
+
+    monkeypatch.setattr("showattendtell.service.worker.load_service", must_not_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert f"port {port}" in err and "--port N" in err and "GRADIO_SERVER_PORT" not in err
+
+
+def test_busy_port_when_gradio_finds_it_taken(tiny_model_file, monkeypatch, capsys):
+    """The port taken while the models loaded: Gradio's OSError becomes the same one line."""
+
+    def taken(*a, **k):
+        raise OSError(
+            "Cannot find empty port in range: 7860-7860. You can specify a different "
+            "port by setting the GRADIO_SERVER_PORT environment variable"
+        )
+
+    monkeypatch.setattr("showattendtell.service.app.launch", taken)
+    assert (
+        main(["serve", "--model", str(tiny_model_file), "--device", "cpu", "--port", str(_free())])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "--port N" in err and "GRADIO_SERVER_PORT" not in err and err.count("\n") == 1
+
+
+def _free() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_second_sat_serve_on_a_busy_port(tmp_path):
+    """The real command, as a user runs it twice."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "showattendtell.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert re.fullmatch(
+        rf"error: port {port} on 127\.0\.0\.1 is already in use .*--port N.*\n", run.stderr
+    )
+
+
+def _fake_launch(monkeypatch) -> dict:
+    """Patch launch: `sat serve` loads its models and returns instead of serving."""
+    seen: dict = {}
+
+    def fake(
+        service,
+        host,
+        port,
+        max_upload_mb,
+        examples,
+        concurrency,
+        queue_size,
+        auth=None,
+        **service_options,
+    ):
+        seen.update(
+            service=service,
+            host=host,
+            examples=examples,
+            auth=auth,
+            decoding={n: c.decoding for n, c in service.captioners.items()},
+            **service_options,
+        )
+        return None
+
+    monkeypatch.setattr("showattendtell.service.app.launch", fake)
+    monkeypatch.setattr("showattendtell.service.serve.check_port", lambda host, port: None)
+    return seen
+
+
+def test_serve_decoding_options_become_every_models_defaults(
+    tiny_model_file,
+    tiny_expected_file,
+    monkeypatch,
+):
+    seen = _fake_launch(monkeypatch)
+    assert (
+        main(
+            [
+                "serve",
+                "--model",
+                str(tiny_model_file),
+                "--model",
+                str(tiny_expected_file),
+                "--device",
+                "cpu",
+                "--beam-size",
+                "1",
+                "--max-length",
+                "5",
+            ]
+        )
+        == 0
+    )
+    soft, hard = seen["decoding"].values()
+    assert (soft.beam_size, soft.max_length) == (hard.beam_size, hard.max_length) == (1, 5)
+    assert hard.hard_mode == "expectation"  # not given: the model's stored value
+    assert (
+        main(
+            [
+                "serve",
+                "--model",
+                str(tiny_expected_file),
+                "--device",
+                "cpu",
+                "--hard-mode",
+                "sample",
+            ]
+        )
+        == 0
+    )
+    (hard,) = seen["decoding"].values()
+    assert hard.hard_mode == "sample" and hard.beam_size == 3  # 3: stored
+
+
+def test_serve_passes_the_cache_and_session_bounds(tiny_model_file, monkeypatch):
+    seen = _fake_launch(monkeypatch)
+    assert (
+        main(
+            [
+                "serve",
+                "--model",
+                str(tiny_model_file),
+                "--device",
+                "cpu",
+                "--cache-mb",
+                "5",
+                "--cache-hours",
+                "0",
+                "--session-minutes",
+                "10",
+                "--max-sessions",
+                "7",
+            ]
+        )
+        == 0
+    )
+    assert seen["cache"].max_bytes == 5 * 2**20 and seen["cache"].max_age_s is None
+    assert (seen["session_minutes"], seen["max_sessions"]) == (10, 7)
+
+
+def test_serve_model_names(capsys):
+    assert main(["serve", "--model", "no_such_model"]) == 2
+    err = capsys.readouterr().err
+    assert "no model of that name" in err and err.count("\n") == 1
+    with pytest.raises(ModelNotFound):
+        model_paths(["no_such_model"])
+
+
+@needs_bundled
+def test_serve_bundled_model_by_name(monkeypatch):
+    hard = BUNDLED_DIR / "flickr8k_lite2_hard.safetensors"
+    assert model_paths(["flickr8k_lite2_hard"]) == [[hard]]
+    assert model_paths(["flickr8k_lite2_soft+flickr8k_lite2_hard"]) == [
+        [BUNDLED_DIR / "flickr8k_lite2_soft.safetensors", hard]
+    ]
+    seen = _fake_launch(monkeypatch)
+    assert main(["serve", "--model", "flickr8k_lite2_hard", "--device", "cpu"]) == 0
+    assert list(seen["decoding"]) == ["flickr8k_lite2_hard"]
+    assert seen["decoding"]["flickr8k_lite2_hard"].hard_mode == "argmax"  # stored
+
+
+def test_serve_warns_without_login_beyond_localhost(tiny_model_file, tmp_path, monkeypatch, capsys):
+    seen = _fake_launch(monkeypatch)
+    monkeypatch.delenv(AUTH_ENV, raising=False)
+    base = ["serve", "--model", str(tiny_model_file), "--device", "cpu", "--port", str(_free())]
+    assert main([*base, "--host", "0.0.0.0"]) == 0
+    assert "warning: serving on 0.0.0.0 without a login" in capsys.readouterr().err
+    assert seen["auth"] is None
+    assert main(base) == 0  # 127.0.0.1: no warning
+    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setenv(AUTH_ENV, "alice:pa ss:word")
+    assert main([*base, "--host", "0.0.0.0"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert seen["auth"] == [("alice", "pa ss:word")]
+    monkeypatch.delenv(AUTH_ENV)
+    creds = tmp_path / "logins"
+    creds.write_text("# users\nbob:hunter2\n\ncarol:x\n")
+    assert main([*base, "--host", "0.0.0.0", "--auth-file", str(creds)]) == 0
+    assert seen["auth"] == [("bob", "hunter2"), ("carol", "x")]
+    assert main([*base, "--auth-file", str(tmp_path / "missing")]) == 2
+    assert "cannot read --auth-file" in capsys.readouterr().err
+
+
+def test_auth_settings():
+    assert read_auth(None, {}) is None
+    assert read_auth(None, {AUTH_ENV: "u:p"}) == [("u", "p")]
+    for bad in ("nopassword", "user:", ":pw", "two words:pw"):
+        with pytest.raises(AuthError, match="expected user:password") as e:
+            read_auth(None, {AUTH_ENV: bad})
+        assert "pw" not in str(e.value)  # a password is never echoed
+    assert exposure_warning("0.0.0.0", None) and exposure_warning("example.org", None)
+    assert exposure_warning("0.0.0.0", [("u", "p")]) is None
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert exposure_warning(host, None) is None
+
+
+def test_serve_takes_the_precision_option(tiny_model_file):
+    """`sat serve --precision` reaches every loaded model (bf16 autocast works on a CPU too)."""
+    args = build_parser().parse_args(["serve", "--precision", "bf16"])
+    assert args.precision == "bf16"
+    service = load_service([tiny_model_file], "cpu", precision="bf16")
+    try:
+        assert all(c.autocast is not None for c in service.captioners.values())
+        assert service.caption(Image.new("RGB", (64, 64), (200, 30, 30))).words
+    finally:
+        service.close()

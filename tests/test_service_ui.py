@@ -1,0 +1,353 @@
+"""The browser UI without a browser (service/events.py, drawing.py, options.py, app.py): the
+handlers' outputs, the controls made from the option table, the events' wiring, overlays, the
+colour scale and flat maps."""
+
+# ruff: noqa: F811 (the shared fixtures imported from service_helpers are parameters)
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from showattendtell.decoding import DECODING_OPTIONS, MAX_BEAM_SIZE, MAX_CAPTION_LENGTH
+
+gr = pytest.importorskip("gradio")
+from service_helpers import (  # noqa: E402, F401 (fixtures)
+    black,
+    indexed_service,
+    photo,
+    service,
+    tiny_expected_file,
+    white_pixels,
+)
+from showattendtell.service import drawing, events, options  # noqa: E402
+from showattendtell.service.app import build_app  # noqa: E402
+from showattendtell.service.uploads import find_examples  # noqa: E402
+from showattendtell.service.worker import CaptionService  # noqa: E402
+
+
+def outputs(values) -> dict:
+    """A caption event's outputs by name."""
+    return dict(zip(events.OUTPUTS, values, strict=True))
+
+
+def components(app) -> dict:
+    return {c["props"].get("elem_id"): c for c in app.config["components"]}
+
+
+def test_ui_event_renders_every_word(service: CaptionService):
+    upload = {"path": str(photo(1)), "orig_name": "photo.jpg"}
+    out = outputs(events.ui_caption(service, upload, service.names[1], hard_mode="argmax"))
+    state, gallery = out["state"], out["gallery"]
+    n = len(state["words"])
+    assert out["caption"] and "hard attention" in out["status"] and len(gallery) == n
+    assert [label.split()[0] for _, label in gallery] == state["words"]
+    assert "row " in gallery[0][1]  # argmax: the chosen location is named
+    assert out["words"]["choices"] == [(w, i) for i, w in enumerate(state["words"])]
+    assert out["view"].width > state["image"].width  # the overlay plus the colour scale
+    assert "uniform attention would be 1/" in out["note"]
+    assert out["sheet"].height > 200
+    assert out["beams"]["value"].iloc[0]["caption"] == out["caption"]
+    assert out["warning"]["visible"] is False  # a fine photo, a model without an index
+    if n > 1 and not np.allclose(state["attention"][0], state["attention"][1]):
+        first, second = (np.asarray(events.show_word(state, i)[0]) for i in (0, 1))
+        assert not np.array_equal(first, second)
+    assert events.show_word(state, n) == (None, "") and events.show_word(None, 0) == (None, "")
+
+
+def test_controls_come_from_the_option_table(service: CaptionService):
+    """Every DecodingConfig option is a UI control (elem_id: its flag) and an API input (named
+    after its field), with the table's range; nothing in app.py names an option."""
+    app = build_app(service)
+    comps = components(app)
+    for name, opt in DECODING_OPTIONS.items():
+        assert options.elem_id(opt) in comps, name
+    labels = {c["props"].get("label") for c in app.config["components"]}
+    assert set(DECODING_OPTIONS) <= labels  # the API's hidden inputs
+    assert comps["beam-size"]["props"]["maximum"] == MAX_BEAM_SIZE  # decoding.py's limits
+    assert comps["max-length"]["props"]["maximum"] == MAX_CAPTION_LENGTH
+    source = (Path(options.__file__).parent / "app.py").read_text()
+    for name in DECODING_OPTIONS:
+        assert name not in source and options.elem_id(DECODING_OPTIONS[name]) not in source
+
+
+def test_a_new_option_in_the_table_reaches_the_ui_and_the_api(service, monkeypatch):
+    from dataclasses import replace
+
+    extra = replace(DECODING_OPTIONS["beam_size"], name="top_k", label="top k")
+    table = {**DECODING_OPTIONS, "top_k": extra}
+    monkeypatch.setattr(options, "DECODING_OPTIONS", table)
+    for captioner in service.captioners.values():  # as if DecodingConfig had the field
+        stored = SimpleNamespace(**captioner.decoding.to_dict(), top_k=0)
+        monkeypatch.setattr(captioner, "decoding", stored)
+    app = build_app(service)
+    assert "top-k" in components(app)
+    assert "top_k" in {c["props"].get("label") for c in app.config["components"]}
+    assert len(options.control_updates(service.get(None))) == len(table)
+
+
+def test_decoding_controls_follow_the_model(service: CaptionService):
+    soft, hard = service.names
+    comps = components(build_app(service))
+    assert comps["hard-mode"]["props"]["visible"] is False  # the default model is soft
+    assert comps["rerank"]["props"]["visible"] is False  # neither model has a consensus index
+    updates = dict(zip(DECODING_OPTIONS, events.model_controls(service, hard), strict=True))
+    assert updates["rerank"]["visible"] is False and updates["rerank"]["value"] == "none"
+    assert updates["hard_mode"]["visible"] is True
+    assert updates["hard_mode"]["value"] == "expectation"  # the stored mode
+    assert (updates["beam_size"]["value"], updates["max_length"]["value"]) == (3, 8)
+    soft_updates = dict(zip(DECODING_OPTIONS, events.model_controls(service, soft), strict=True))
+    assert soft_updates["hard_mode"]["visible"] is False
+    # a soft model ignores the (hidden) hard-mode control
+    status = events.ui_caption(service, black(), soft, hard_mode="sample")[0]
+    assert "soft attention" in status and "hard mode" not in status
+
+
+def test_choosing_another_model_captions_the_photo_again(service: CaptionService):
+    """The model menu's change sets the controls to the model's defaults and then runs the
+    caption event on the shown photo, so the caption never stays under another model's name."""
+    app = build_app(service)
+    ids = {c["id"]: c["props"].get("elem_id") for c in app.config["components"]}
+    deps = app.config["dependencies"]
+    first = next(
+        d for d in deps if ("model", "change") in {(ids.get(t[0]), t[1]) for t in d["targets"]}
+    )
+    then = [d for d in deps if d.get("trigger_after") == first["id"]]
+    assert len(then) == 1 and len(then[0]["outputs"]) == len(events.OUTPUTS)
+    caption_inputs = {ids.get(i) for i in then[0]["inputs"]}
+    assert {"input-image", "model", "colour-scale", "beam-size"} <= caption_inputs
+    # and what that event does: the other model's caption, named after it
+    soft, hard = service.names
+    status = events.ui_caption(service, str(photo(0)), hard)[0]
+    assert f"**{hard}**" in status and "hard attention" in status
+
+
+def test_a_model_with_a_consensus_index_reranks_in_the_ui(
+    indexed_service: CaptionService,
+):
+    """The rerank control appears for a model with an index and starts at its stored value;
+    the beam table is ordered by the consensus score it shows and says that it decided."""
+    indexed, plain = indexed_service.names
+    comps = components(build_app(indexed_service))
+    assert comps["rerank"]["props"]["visible"] is True
+    assert comps["rerank"]["props"]["value"] == "consensus"
+    assert (
+        dict(zip(DECODING_OPTIONS, events.model_controls(indexed_service, plain), strict=True))[
+            "rerank"
+        ]["visible"]
+        is False
+    )
+    out = outputs(events.ui_caption(indexed_service, str(photo(0)), indexed, beam_size=3))
+    table, label = out["beams"]["value"], out["beams"]["label"]
+    decided = table["consensus (decided)"].tolist()
+    assert decided == sorted(decided, reverse=True) and table.iloc[0]["caption"] == out["caption"]
+    assert "consensus reranking" in label and "not the score" in label
+    assert "Familiarity **" in out["status"]
+    out = outputs(events.ui_caption(indexed_service, str(photo(0)), indexed, rerank="none"))
+    table = out["beams"]["value"]
+    scores = table[[c for c in table.columns if c.startswith("score")][0]].tolist()
+    assert scores == sorted(scores, reverse=True) and "ranked by score" in out["beams"]["label"]
+    # the UI's control (set for the first model) is ignored for a model without an index
+    status = events.ui_caption(indexed_service, str(photo(0)), plain, rerank="consensus")[0]
+    assert "Cannot caption" not in status
+
+
+def test_familiarity_warning_is_shown(
+    indexed_service: CaptionService,
+    monkeypatch,
+):
+    from showattendtell import familiarity
+
+    monkeypatch.setattr(familiarity.Familiarity, "warning", lambda self, f: familiarity.WARNING)
+    indexed, _ = indexed_service.names
+    out = outputs(events.ui_caption(indexed_service, str(photo(0)), indexed))
+    assert out["warning"]["visible"] is True and familiarity.WARNING in out["warning"]["value"]
+
+
+def test_frame_only_when_decoded_from_one_cell(service: CaptionService):
+    """The white frame marks a cell only in argmax / sample mode; the expected context (like
+    soft attention) chooses none, and the status line says so."""
+    hard = service.names[1]
+    img = black()  # jet blended over black is never pure white: white pixels are frames
+    for mode in ("argmax", "sample"):
+        out = outputs(events.ui_caption(service, img, hard, hard_mode=mode))
+        state, gallery, view = out["state"], out["gallery"], out["view"]
+        assert state["locations"] and "White frames mark" in out["status"]
+        assert ("most likely" if mode == "argmax" else "sampled") in out["status"]
+        photo_part = view.crop((0, 0, *state["image"].size))  # not the bar's white margin
+        assert white_pixels(photo_part) > 0 and white_pixels(gallery[0][0]) > 0
+    out = outputs(events.ui_caption(service, img, hard, hard_mode="expectation"))
+    state, gallery, view = out["state"], out["gallery"], out["view"]
+    assert state["locations"] is None and "expected context" in out["status"]
+    assert "no single cell was chosen" in out["status"] and "White frames" not in out["status"]
+    assert white_pixels(view.crop((0, 0, *state["image"].size))) == 0
+    assert white_pixels(gallery[0][0]) == 0
+    assert all("row" not in label for _, label in gallery)
+
+
+def test_rejected_upload_clears_every_output(service: CaptionService, tmp_path: Path):
+    good = outputs(events.ui_caption(service, str(photo(0))))
+    assert good["caption"] and good["gallery"]
+    bad = tmp_path / "cut.jpg"
+    bad.write_bytes(photo(0).read_bytes()[:2000])
+    with pytest.warns(UserWarning):
+        out = outputs(events.ui_caption(service, {"path": str(bad), "orig_name": "cut.jpg"}))
+    assert "cut.jpg" in out["status"]
+    assert (
+        out["caption"],
+        out["state"],
+        out["gallery"],
+        out["view"],
+        out["note"],
+        out["sheet"],
+    ) == ("", None, [], None, "", None)
+    assert out["beams"]["value"] == [] and out["warning"]["visible"] is False
+    assert out["words"]["choices"] == [] and out["words"]["value"] is None
+    # Gradio sets the image to None when it refuses an upload (too large) or it is removed
+    cleared = events.clear_outputs(None)
+    assert cleared[0] == events.PROMPT and cleared[1:] == events.EMPTY
+    assert all(x == gr.skip() for x in events.clear_outputs({"path": "x.jpg"}))
+
+
+def test_file_type_refused_by_gradio_clears_the_outputs(service: CaptionService):
+    """Gradio's page refuses a .txt or .pdf before uploading it (a toast, no server event);
+    the page's script reports it through a hidden button whose event clears the outputs."""
+    out = events.refused_upload("Invalid file type: notes.txt. Only image/* allowed.")
+    assert out[0].startswith("**Cannot caption this file:**") and "notes.txt" in out[0]
+    assert out[1:] == events.EMPTY
+    app = build_app(service)
+    ids = {c["id"]: c["props"].get("elem_id") for c in app.config["components"]}
+    refusal = [
+        d
+        for d in app.config["dependencies"]
+        if ("refused-upload", "click") in {(ids.get(t[0]), t[1]) for t in d["targets"]}
+    ]
+    assert len(refusal) == 1 and len(refusal[0]["outputs"]) == len(events.OUTPUTS)
+    assert "__satRefused" in refusal[0]["js"]
+    from showattendtell.service.app import CSS, REFUSAL_JS
+
+    assert "#refused-upload" in REFUSAL_JS and "Invalid file type" in REFUSAL_JS
+    assert "#refused-upload {display: none" in CSS
+
+
+def test_caption_runs_once_per_upload(service: CaptionService):
+    """image.change fires twice when a new file replaces a shown one (every toast showed twice):
+    the caption runs on upload, the button and an example click, never on change."""
+    app = build_app(service, find_examples())
+    ids = {c["id"]: c["props"].get("elem_id") for c in app.config["components"]}
+    caption_triggers = []
+    for dep in app.config["dependencies"]:
+        if len(dep["outputs"]) == len(events.OUTPUTS):
+            caption_triggers.append({(ids.get(t[0]), t[1]) for t in dep["targets"]})
+    assert {("input-image", "upload"), ("caption-button", "click")} in caption_triggers
+    assert {("input-image", "change")} in caption_triggers  # the clear event
+    for triggers in caption_triggers:
+        assert not {("input-image", "upload"), ("input-image", "change")} <= triggers
+
+
+def _state(maps: list[np.ndarray], words: list[str]) -> dict:
+    image = Image.new("RGB", (128, 128), (128, 128, 128))
+    return {
+        "image": image,
+        "small": image,
+        "attention": np.stack(maps),
+        "locations": None,
+        "words": words,
+    }
+
+
+def _change(img: Image.Image) -> float:
+    """How much an overlay colours the (grey) photo."""
+    return float(np.abs(np.asarray(img.crop((0, 0, 128, 128)), np.float32) - 128).mean())
+
+
+def test_colour_scale_labelled_with_real_weights():
+    g = 4
+    uniform = np.full((g, g), 1 / g**2, np.float32)
+    focused = np.full((g, g), 0.2 / (g**2 - 1), np.float32)
+    focused[1, 2] = 0.8
+    state = _state([uniform, focused], ["sky", "dog"])
+    assert drawing.scale_max(state["attention"], 0, "word") == pytest.approx(1 / 16)
+    assert drawing.scale_max(state["attention"], 0, "caption") == pytest.approx(0.8)
+    own, own_note = events.show_word(state, 0, "word")
+    fixed, fixed_note = events.show_word(state, 0, "caption")
+    # on its own scale a uniform map is as strong as a focused one; on the caption's it is pale
+    assert _change(fixed) < _change(own) / 2
+    assert "**0.062**" in own_note and "**0.800**" in fixed_note
+    assert "1/16 = 0.062" in own_note and "any word of this caption" in fixed_note
+    bar = drawing.with_colour_bar(state["image"], 0.8, 16)
+    y = round((1 - (1 / 16) / 0.8) * 127)
+    assert bar.width > 128 + 60 and bar.getpixel((128 + 8 - 2, y)) == (0, 0, 0)
+    # below the "flat map" tag of the uniform map: its strongest colour is pale
+    pale, strong = (
+        np.asarray(p.crop((0, 40, 128, 128)), np.float32)
+        for p, _ in drawing.gallery(state, "caption")
+    )
+    assert np.abs(pale - 128).max() < np.abs(strong - 128).max() / 2
+    assert drawing.gallery(state, "word")[1][1] == "dog  (max 0.800)"
+    assert drawing.gallery(state, "word")[0][1] == "sky  (max 0.062, flat map)"
+    gallery, view, note = events.rescale(state, 1, "caption")
+    assert len(gallery) == 2 and "“dog”" not in note
+
+
+def test_near_uniform_map_is_not_painted_red_by_default():
+    """ "a" with max 0.018 against uniform 0.012 (9x9) beside a focused word: the default scale
+    (the caption's) leaves it pale, and on any scale it is marked as a flat map."""
+    g = 9
+    flat = np.full((g, g), (1 - 0.018) / (g * g - 1), np.float32)
+    flat[4, 4] = 0.018
+    focused = np.full((g, g), 0.5 / (g * g - 1), np.float32)
+    focused[2, 3] = 0.5
+    state = _state([flat, focused], ["a", "dog"])
+    assert drawing.DEFAULT_SCALE == "caption" and drawing.is_flat(flat)
+    assert not drawing.is_flat(focused)
+    default_view, default_note = events.show_word(state, 0)
+    focused_view, _ = events.show_word(state, 1)
+    own_view, own_note = events.show_word(state, 0, "word")
+
+    def strongest(view: Image.Image) -> float:  # the photo below the tag's band
+        return float(np.abs(np.asarray(view.crop((0, 40, 128, 128)), np.float32) - 128).max())
+
+    # its own scale paints the flat map as strongly as a focused one; the default does not
+    assert strongest(own_view) > 0.8 * strongest(focused_view)
+    assert strongest(default_view) < strongest(focused_view) / 3
+    assert "Flat map" in default_note and "Flat map" in own_note
+    for view in (default_view, own_view):  # a dark "flat map" tag at the top left
+        assert np.asarray(view.crop((0, 0, 40, 12)), np.float32).mean() < 90
+    labels = [label for _, label in drawing.gallery(state, "word")]
+    assert "flat map" in labels[0] and "flat map" not in labels[1]
+    comps = {c["props"].get("elem_id"): c for c in build_app_scale_only()}
+    assert comps["colour-scale"]["props"]["value"] == "caption"
+
+
+def build_app_scale_only() -> list:
+    """The colour-scale control as the page builds it (no model needed)."""
+    from showattendtell.service.app import output_column
+
+    with gr.Blocks() as demo:
+        output_column(None)
+    return demo.config["components"]
+
+
+def test_session_state_expires():
+    """The per-session state (the captioned photo and its maps) has a time to live."""
+    comps = build_app_scale_only()
+    state = next(c for c in comps if c["type"] == "state")
+    assert state is not None
+    from showattendtell.service.app import output_column
+
+    with gr.Blocks():
+        _, out = output_column(600.0)
+    assert out["state"].time_to_live == 600.0
+
+
+def test_the_api_endpoint_is_named_caption(service: CaptionService):
+    """The UI's private events never take the name: clients call api_name="/caption"."""
+    endpoints = build_app(service).get_api_info()["named_endpoints"]
+    assert list(endpoints) == ["/caption"]
+    names = [p["parameter_name"] for p in endpoints["/caption"]["parameters"]]
+    assert names == ["image", "model", *DECODING_OPTIONS]
