@@ -275,7 +275,7 @@ def test_self_critical_fine_tuning_from_a_trained_run(trained_run, tmp_path, cap
     old = os.getcwd()
     os.chdir(tmp_path)
     try:
-        scst = [*args, "--trainer.max_epochs", "1", "--model.self_critical", "2",
+        scst = [*args, "--trainer.max_epochs", "1", "--model.objective.self_critical", "2",
                 "--model.init_from", str(run / "checkpoints" / "last.ckpt")]
         assert main(scst) == 0
         header = next(Path("runs/tiny").rglob("metrics.csv")).read_text().splitlines()[0]
@@ -283,7 +283,7 @@ def test_self_critical_fine_tuning_from_a_trained_run(trained_run, tmp_path, cap
         _check_interpolated_export(run / "checkpoints" / "last.ckpt",
                                    Path("runs/tiny/checkpoints/last.ckpt"), capsys)
         shutil.rmtree("runs")
-        assert main([*scst, "--model.self_critical", "1"]) == 2
+        assert main([*scst, "--model.objective.self_critical", "1"]) == 2
         assert "self_critical must be 0" in capsys.readouterr().err
     finally:
         os.chdir(old)

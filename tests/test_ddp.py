@@ -208,7 +208,7 @@ def test_hard_attention_under_torchrun(ddp_run, flickr):
 
 def test_self_critical_under_ddp(ddp_run, flickr):
     sat_train(tiny(flickr, "runs/sc", *DDP, "--trainer.max_epochs", "1",
-                   "--model.self_critical", "2", "--model.init_from", str(ddp_run.last)),
+                   "--model.objective.self_critical", "2", "--model.init_from", str(ddp_run.last)),
               ddp_run.work)
     _finite_train_nll(ddp_run.work / "runs" / "sc")
     rewards = [float(r["train/reward"]) for r in metrics(ddp_run.work / "runs" / "sc")

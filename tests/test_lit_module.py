@@ -10,14 +10,20 @@ from showattendtell.decoder import DecoderConfig
 from showattendtell.encoder import EncoderConfig
 from showattendtell.lit_module import CaptionModule, OptimizerConfig
 from showattendtell.losses import soft_attention_loss
-from showattendtell.objectives import HardAttentionReinforce, MaximumLikelihood, SelfCritical
+from showattendtell.objectives import (
+    HardAttentionReinforce,
+    MaximumLikelihood,
+    ObjectiveConfig,
+    SelfCritical,
+)
 
 VOCAB = ["<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(26)]]
 ENCODER = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
 
 
-def module(attention="soft", **kw) -> CaptionModule:
-    return CaptionModule(VOCAB, ENCODER, DecoderConfig(attention, 8, 10, 6, 0.0), **kw)
+def module(attention="soft", optimizer=None, **objective) -> CaptionModule:
+    return CaptionModule(VOCAB, ENCODER, DecoderConfig(attention, 8, 10, 6, 0.0),
+                         ObjectiveConfig(**objective), optimizer)
 
 
 @pytest.mark.parametrize("attention,kw,kind", [

@@ -79,12 +79,13 @@ def test_baseline_updates_as_specified():
 def test_lightning_module_moves_baseline_only_on_sampled_batches():
     from showattendtell.decoder import DecoderConfig
     from showattendtell.encoder import EncoderConfig
-    from showattendtell.lit_module import CaptionModule, HardAttentionConfig
+    from showattendtell.lit_module import CaptionModule
+    from showattendtell.objectives import HardAttentionConfig, ObjectiveConfig
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(26)]]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
     module = CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0),
-                           hard=HardAttentionConfig(expectation_prob=0.0))
+                           ObjectiveConfig(hard=HardAttentionConfig(expectation_prob=0.0)))
     module.train()
     a, caps, lengths = make_batch(D=2048)
     batch = {"inputs": a, "captions": caps, "lengths": lengths}
@@ -219,14 +220,16 @@ def test_attention_entropy_is_refused_for_hard_attention_reinforce():
     from showattendtell.decoder import DecoderConfig
     from showattendtell.encoder import EncoderConfig
     from showattendtell.lit_module import CaptionModule, TrainingConfigError
+    from showattendtell.objectives import ObjectiveConfig as O
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", "a", "b"]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
-    with pytest.raises(TrainingConfigError, match="model.hard.entropy_weight"):
-        CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0), attention_entropy=0.1)
+    with pytest.raises(TrainingConfigError, match="model.objective.hard.entropy_weight"):
+        CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0), O(attention_entropy=0.1))
     with pytest.raises(TrainingConfigError, match="0 or more"):
-        CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0), attention_entropy=-1)
-    module = CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0), attention_entropy=0.1)
+        CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0), O(attention_entropy=-1))
+    module = CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0),
+                           O(attention_entropy=0.1))
     assert module.objective.attention_entropy == 0.1
 
 
@@ -239,6 +242,7 @@ def test_label_smoothing_is_the_smoothed_targets_cross_entropy_and_leaves_the_li
     from showattendtell.encoder import EncoderConfig
     from showattendtell.lit_module import CaptionModule, TrainingConfigError
     from showattendtell.losses import soft_attention_loss
+    from showattendtell.objectives import ObjectiveConfig as O
 
     a, caps, lengths = make_batch()
     out = small_decoder(seed=4)(a, caps, lengths, mode="soft")
@@ -256,10 +260,10 @@ def test_label_smoothing_is_the_smoothed_targets_cross_entropy_and_leaves_the_li
     vocab = ["<pad>", "<start>", "<end>", "<unk>", "a", "b"]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
     soft = DecoderConfig("soft", 8, 10, 6, 0.0)
-    assert CaptionModule(vocab, enc, soft, label_smoothing=0.1).objective.label_smoothing == 0.1
+    assert CaptionModule(vocab, enc, soft, O(label_smoothing=0.1)).objective.label_smoothing == 0.1
     with pytest.raises(TrainingConfigError, match="0 <= eps < 1"):
-        CaptionModule(vocab, enc, soft, label_smoothing=1.0)
+        CaptionModule(vocab, enc, soft, O(label_smoothing=1.0))
     with pytest.raises(TrainingConfigError, match="self-critical"):
-        CaptionModule(vocab, enc, soft, label_smoothing=0.1, self_critical=5)
+        CaptionModule(vocab, enc, soft, O(label_smoothing=0.1, self_critical=5))
     with pytest.raises(TrainingConfigError, match="hard attention"):
-        CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0), label_smoothing=0.1)
+        CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0), O(label_smoothing=0.1))

@@ -12,6 +12,7 @@ from showattendtell.lit_module import CaptionModule
 from showattendtell.losses import soft_attention_loss
 from showattendtell.metrics import CiderDReward, MeteorReward, java_available
 from showattendtell.model import DecodingConfig
+from showattendtell.objectives import ObjectiveConfig
 from showattendtell.vocab import Vocabulary
 
 REFS = [["a dog runs on the grass", "a brown dog running", "the dog plays outside"],
@@ -52,8 +53,8 @@ def shapes_module(attention="soft", max_length=6, meteor=0.0):
     torch.manual_seed(0)
     module = CaptionModule(
         vocab.itos, EncoderConfig(backbone="resnet50", weights=None, input_size=64),
-        DecoderConfig(attention, 32, 64, 32, dropout=0.0), self_critical=5,
-        self_critical_meteor=meteor,
+        DecoderConfig(attention, 32, 64, 32, dropout=0.0),
+        ObjectiveConfig(self_critical=5, self_critical_meteor=meteor),
         val_decoding=DecodingConfig(beam_size=1, max_length=max_length, hard_mode="argmax"))
     return module, feats, captions, vocab
 
@@ -171,4 +172,4 @@ def test_self_critical_needs_two_samples_per_image():
         with pytest.raises(ValueError, match="self_critical must be 0"):
             CaptionModule(["<pad>", "<start>", "<end>", "<unk>", "a"],
                           EncoderConfig(backbone="resnet50", weights=None, input_size=64),
-                          DecoderConfig("soft", 8, 8, 8, 0.0), self_critical=k)
+                          DecoderConfig("soft", 8, 8, 8, 0.0), ObjectiveConfig(self_critical=k))

@@ -12,16 +12,33 @@ import torch.distributed as dist
 from showattendtell.decoder import DecoderConfig
 from showattendtell.decoding import DecodingConfig
 from showattendtell.encoder import EncoderConfig
-from showattendtell.errors import UsageError
 from showattendtell.losses import soft_attention_loss
 from showattendtell.metrics import score_captions
 from showattendtell.model import CaptionModel
-from showattendtell.objectives import HardAttentionConfig, make_objective
+from showattendtell.objectives import ObjectiveConfig, TrainingConfigError, make_objective
 from showattendtell.vocab import Vocabulary
 
+__all__ = ["CaptionModule", "OptimizerConfig", "TrainingConfigError", "load_checkpoint"]
 
-class TrainingConfigError(UsageError, ValueError):
-    """A training setting out of range; `sat train` prints the message, not a traceback."""
+# the objective's settings, top-level hyperparameters in checkpoints of older versions
+_FLAT_OBJECTIVE_KEYS = (
+    "doubly_stochastic",
+    "hard",
+    "self_critical",
+    "self_critical_meteor",
+    "attention_entropy",
+    "label_smoothing",
+)
+
+
+def migrate_hyperparameters(hparams: dict) -> dict:
+    """A checkpoint's hyperparameters in this version's layout: the objective's settings of
+    older checkpoints (top-level keys) move under ``objective``."""
+    hparams = dict(hparams)
+    flat = {k: hparams.pop(k) for k in _FLAT_OBJECTIVE_KEYS if k in hparams}
+    if flat:
+        hparams["objective"] = {**flat, **(hparams.get("objective") or {})}
+    return hparams
 
 
 @dataclass
@@ -32,6 +49,9 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     lr_decay: float = 1.0  # multiply the learning rates by this ...
     lr_decay_every: int = 1  # ... every this many epochs
+    # train only the decoder parameters whose names start with one of these (e.g. "attention.":
+    # attention supervision that leaves the language model as it was); None: all of them
+    train_only: list[str] | None = None
 
     def lr_factor(self, epoch: int) -> float:
         """The schedule in closed form (nanoGPT's get_lr): a function of the epoch alone, so a
@@ -56,42 +76,55 @@ def read_checkpoint(path: str | Path, option: str = "checkpoint") -> dict:
     if path.stat().st_size == 0:
         raise ModelFileError(f"{option}: {path} is empty (0 bytes): {hint}")
     if path.suffix == ".safetensors":
-        raise ModelFileError(f"{option}: {path} is an exported model file, not a training "
-                             f"checkpoint: {hint}")
+        raise ModelFileError(
+            f"{option}: {path} is an exported model file, not a training checkpoint: {hint}"
+        )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError):
         # torch's own message advises weights_only=False, i.e. running the file's code: no
         raise ModelFileError(f"{option}: {path} is not a training checkpoint: {hint}") from None
-    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("hyper_parameters"), dict)
-            and "vocab" in ckpt["hyper_parameters"] and "state_dict" in ckpt):
-        raise ModelFileError(f"{option}: {path} is a PyTorch file but not a checkpoint of "
-                             f"sat train: {hint}")
+    if not (
+        isinstance(ckpt, dict)
+        and isinstance(ckpt.get("hyper_parameters"), dict)
+        and "vocab" in ckpt["hyper_parameters"]
+        and "state_dict" in ckpt
+    ):
+        raise ModelFileError(
+            f"{option}: {path} is a PyTorch file but not a checkpoint of sat train: {hint}"
+        )
     return ckpt
 
 
-def init_weights(path: str, vocab: list[str]
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def init_weights(
+    path: str, vocab: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The decoder's and the encoder's state dicts from a training checkpoint or a model file,
     checked to share ``vocab`` (word ids must mean the same words)."""
     from showattendtell.model_file import ModelFileError, read_model
 
     if not Path(path).is_file():
-        raise ModelFileError(f"init_from: {path} not found: train and export that model first, "
-                             "or pass --model.init_from null to start from scratch")
+        raise ModelFileError(
+            f"init_from: {path} not found: train and export that model first, "
+            "or pass --model.init_from null to start from scratch"
+        )
     if str(path).endswith(".ckpt"):
         ckpt = read_checkpoint(path, "init_from")
         theirs, state = ckpt["hyper_parameters"]["vocab"], ckpt["state_dict"]
-        decoder, encoder = ({k[len(p):]: v for k, v in state.items() if k.startswith(p)}
-                            for p in ("model.decoder.", "model.encoder."))
+        decoder, encoder = (
+            {k[len(p) :]: v for k, v in state.items() if k.startswith(p)}
+            for p in ("model.decoder.", "model.encoder.")
+        )
     else:
         model, _, _ = read_model(path)
         theirs = model.vocab.itos
         decoder, encoder = model.decoder.state_dict(), model.encoder.state_dict()
     if list(theirs) != list(vocab):
-        raise ModelFileError(f"init_from: {path} has a different vocabulary "
-                             f"({len(theirs)} words, this run {len(vocab)}): train it on the "
-                             "same captions with the same min_word_count")
+        raise ModelFileError(
+            f"init_from: {path} has a different vocabulary "
+            f"({len(theirs)} words, this run {len(vocab)}): train it on the "
+            "same captions with the same min_word_count"
+        )
     return decoder, encoder
 
 
@@ -101,12 +134,14 @@ def load_checkpoint(path: str | Path) -> CaptionModule:
 
     ckpt = read_checkpoint(path)
     try:
-        module = CaptionModule(**ckpt["hyper_parameters"])
+        module = CaptionModule(**migrate_hyperparameters(ckpt["hyper_parameters"]))
         module.on_load_checkpoint(ckpt)
         module.load_state_dict(ckpt["state_dict"])
     except (TypeError, KeyError, RuntimeError) as e:
-        raise ModelFileError(f"checkpoint: {path} does not match this version of "
-                             f"showattendtell ({str(e).splitlines()[0]})") from None
+        raise ModelFileError(
+            f"checkpoint: {path} does not match this version of "
+            f"showattendtell ({str(e).splitlines()[0]})"
+        ) from None
     module.checkpoint_epoch = int(ckpt.get("epoch", -1))
     return module
 
@@ -123,8 +158,9 @@ class CaptionModule(L.LightningModule):
     Args:
         vocab: the vocabulary as a word list (the CLI links it from the DataModule).
         encoder / decoder: the model's architecture.
-        doubly_stochastic: lambda of sum_i (1 - sum_t alpha_ti)^2 (soft attention; 1 in the paper).
-        hard: REINFORCE settings for hard attention.
+        objective: what training minimises (``objectives.ObjectiveConfig``: maximum likelihood
+            with the doubly stochastic penalty, REINFORCE for hard attention, self-critical
+            training, attention supervision of person words), checked once here.
         optimizer: optimiser and learning-rate schedule.
         val_decoding: how validation captions are generated (beam size 1 = greedy).
         init_from: start training from the decoder weights of another run (a ``.ckpt`` or an
@@ -133,18 +169,6 @@ class CaptionModule(L.LightningModule):
             of the encoder's top N stages as well (a fine-tuned encoder goes on from where it
             was; the frozen stages, whose output the feature cache holds, are never replaced).
             Ignored when resuming with ``--ckpt_path``.
-        self_critical: K >= 2 trains with self-critical sequence training (Rennie et al. 2017)
-            instead of maximum likelihood: K captions sampled per image, rewarded with CIDEr-D;
-            a fine-tuning stage for a model trained with the paper's objective (start it with
-            ``init_from``). 0: maximum likelihood.
-        self_critical_meteor: w, the self-critical reward is CIDEr-D + w * METEOR (per caption,
-            official METEOR; needs Java). 0: CIDEr-D alone, which shortens the captions.
-        attention_entropy: weight of sum_t H(alpha_t), the attention's entropy summed over a
-            caption's words, added to the soft-attention or self-critical loss: sharper
-            attention (the uniform map's entropy is log L). 0: none, as in the paper.
-        label_smoothing: eps of maximum-likelihood training's smoothed targets, (1 - eps) on
-            the caption's word and eps spread over the vocabulary (soft attention only). 0:
-            none, as in the paper.
     """
 
     def __init__(
@@ -152,61 +176,33 @@ class CaptionModule(L.LightningModule):
         vocab: list[str],
         encoder: EncoderConfig | None = None,
         decoder: DecoderConfig | None = None,
-        doubly_stochastic: float = 1.0,
-        hard: HardAttentionConfig | None = None,
+        objective: ObjectiveConfig | None = None,
         optimizer: OptimizerConfig | None = None,
         val_decoding: DecodingConfig | None = None,
         init_from: str | None = None,
-        self_critical: int = 0,
-        self_critical_meteor: float = 0.0,
-        attention_entropy: float = 0.0,
-        label_smoothing: float = 0.0,
     ):
         super().__init__()
-        if self_critical == 1 or self_critical < 0:
-            raise TrainingConfigError(
-                "model.self_critical must be 0 (maximum likelihood) or K >= 2 (captions sampled "
-                f"per image; each one's baseline is the others' mean reward), not {self_critical}")
-        if self_critical_meteor < 0:
-            raise TrainingConfigError("model.self_critical_meteor is the weight of METEOR in the "
-                                      f"reward: 0 or more, not {self_critical_meteor}")
         # load_from_checkpoint passes the saved hyperparameters back as plain dicts
         encoder = _as(EncoderConfig, encoder)
         decoder = _as(DecoderConfig, decoder)
-        if attention_entropy and decoder.attention == "hard" and not self_critical:
-            raise TrainingConfigError(
-                "model.attention_entropy sharpens the attention of soft or self-critical training; "
-                "hard attention's REINFORCE has its own entropy term, model.hard.entropy_weight")
-        if attention_entropy < 0:
-            raise TrainingConfigError("model.attention_entropy is a penalty weight: 0 or more, "
-                                      f"not {attention_entropy}")
-        if not 0 <= label_smoothing < 1:
-            raise TrainingConfigError("model.label_smoothing is the share of each target spread "
-                                      f"over the vocabulary: 0 <= eps < 1, not {label_smoothing}")
-        if label_smoothing and (self_critical or decoder.attention == "hard"):
-            raise TrainingConfigError(
-                "model.label_smoothing applies to soft attention's maximum-likelihood training; "
-                "set it to 0 for hard attention or self-critical training")
-        self.hard_cfg = _as(HardAttentionConfig, hard)
-        if self.hard_cfg.location_samples < 1:
-            raise TrainingConfigError("model.hard.location_samples must be 1 (the moving-average "
-                                      "baseline) or K >= 2 (the mean of the other K - 1), not "
-                                      f"{self.hard_cfg.location_samples}")
+        self.objective_cfg = ObjectiveConfig.of(objective)
         self.opt_cfg = _as(OptimizerConfig, optimizer)
         self.val_decoding = _as(DecodingConfig, val_decoding, beam_size=1)
-        self.save_hyperparameters({
-            "vocab": list(vocab), "encoder": asdict(encoder), "decoder": asdict(decoder),
-            "doubly_stochastic": doubly_stochastic, "hard": asdict(self.hard_cfg),
-            "optimizer": asdict(self.opt_cfg), "val_decoding": asdict(self.val_decoding),
-            "init_from": init_from, "self_critical": self_critical,
-            "self_critical_meteor": self_critical_meteor, "attention_entropy": attention_entropy,
-            "label_smoothing": label_smoothing,
-        })
+        self.objective = make_objective(
+            self.objective_cfg, decoder.attention, self.val_decoding.max_length
+        )
+        self.save_hyperparameters(
+            {
+                "vocab": list(vocab),
+                "encoder": asdict(encoder),
+                "decoder": asdict(decoder),
+                "objective": self.objective_cfg.as_dict(),
+                "optimizer": asdict(self.opt_cfg),
+                "val_decoding": asdict(self.val_decoding),
+                "init_from": init_from,
+            }
+        )
         self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
-        self.objective = make_objective(decoder.attention, doubly_stochastic, self.hard_cfg,
-                                        self_critical, self_critical_meteor,
-                                        self.val_decoding.max_length, attention_entropy,
-                                        label_smoothing)
         self._val_predictions: dict[str, str] = {}
 
     def setup(self, stage: str) -> None:
@@ -224,17 +220,27 @@ class CaptionModule(L.LightningModule):
                     keys = enc.load_state_dict(encoder, strict=False)
                     missing = [k for k in keys.missing_keys if k.startswith(top)]
                     if missing or keys.unexpected_keys:
-                        raise RuntimeError("encoder stages differ\n"
-                                           f"{(missing or keys.unexpected_keys)[0]}")
+                        raise RuntimeError(
+                            f"encoder stages differ\n{(missing or keys.unexpected_keys)[0]}"
+                        )
             except RuntimeError as e:
                 raise ModelFileError(
                     f"init_from: {self.hparams.init_from} has a different decoder or encoder "
-                    f"size than this run: {str(e).splitlines()[-1].strip()}") from None
+                    f"size than this run: {str(e).splitlines()[-1].strip()}"
+                ) from None
 
     def on_fit_start(self) -> None:
+        if self.objective_cfg.grounding.weight and not getattr(
+            self.trainer.datamodule, "person_masks", None
+        ):
+            raise TrainingConfigError(
+                "model.objective.grounding.weight > 0 needs the photos' person masks: set "
+                "data.person_masks to the file of scripts/label_person_masks.py"
+            )
         if hasattr(self.objective, "set_references"):  # self-critical: the training references
-            self.objective.set_references([im.captions
-                                           for im in self.trainer.datamodule.train_set.images])
+            self.objective.set_references(
+                [im.captions for im in self.trainer.datamodule.train_set.images]
+            )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.objective.migrate_state(checkpoint["state_dict"], "objective.")
@@ -292,10 +298,13 @@ class CaptionModule(L.LightningModule):
         scores = score_captions(preds, refs, official=False)
         # every rank gathered the same predictions, so every rank logs the same values (which
         # ModelCheckpoint and EarlyStopping monitor)
-        for key, name in (("bleu1", "Bleu_1"), ("bleu4", "Bleu_4"), ("rouge_l", "ROUGE_L"),
-                          ("cider", "CIDEr")):
-            self.log(f"val/{key}", scores[name], prog_bar=key in ("bleu4", "cider"),
-                     sync_dist=True)
+        for key, name in (
+            ("bleu1", "Bleu_1"),
+            ("bleu4", "Bleu_4"),
+            ("rouge_l", "ROUGE_L"),
+            ("cider", "CIDEr"),
+        ):
+            self.log(f"val/{key}", scores[name], prog_bar=key in ("bleu4", "cider"), sync_dist=True)
         # how many images were scored: under DDP, DistributedSampler pads the last batches with
         # repeated images, which keying the predictions by image id counts once
         self.log("val/images", float(len(preds)), sync_dist=True)
@@ -310,7 +319,17 @@ class CaptionModule(L.LightningModule):
 
     def configure_optimizers(self):
         cfg = self.opt_cfg
-        groups = [{"params": [p for p in self.model.decoder.parameters()], "lr": cfg.lr}]
+        decoder = list(self.model.decoder.named_parameters())
+        if cfg.train_only is not None:
+            prefixes = tuple(cfg.train_only)
+            for name, p in decoder:
+                p.requires_grad_(name.startswith(prefixes))
+            if not any(p.requires_grad for _, p in decoder):
+                raise TrainingConfigError(
+                    f"model.optimizer.train_only {list(prefixes)} names no decoder parameter "
+                    f"(they are {sorted({n.split('.')[0] for n, _ in decoder})})"
+                )
+        groups = [{"params": [p for _, p in decoder if p.requires_grad], "lr": cfg.lr}]
         enc = [p for p in self.model.encoder.parameters() if p.requires_grad]
         if enc:
             groups.append({"params": enc, "lr": cfg.encoder_lr})

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from showattendtell.data.datasets import CaptionedImage, Split, load_split
 from showattendtell.data.feature_cache import FeatureCache
+from showattendtell.data.person_masks import PersonMasks, read_person_masks
 from showattendtell.encoder import Encoder, EncoderConfig
 from showattendtell.images import load_image
 from showattendtell.vocab import Vocabulary
@@ -36,11 +37,25 @@ class _Source:
 
 
 class CaptionPairs(Dataset):
-    """Every (image, caption) pair of a split: one training example per caption."""
+    """Every (image, caption) pair of a split: one training example per caption.
 
-    def __init__(self, images: list[CaptionedImage], vocab: Vocabulary, source: _Source,
-                 max_length: int):
+    With ``person_masks``, each pair also carries its photo's person-mask coverage (L,) (zeros
+    for a photo the file does not hold) and, for each predicted token, whether it is a word that
+    names a person (``attention_correctness.category_words`` over the caption's vocabulary
+    words, so "hot dog" is no dog and training agrees with the measure): the targets of
+    ``objectives.GroundingConfig``.
+    """
+
+    def __init__(
+        self,
+        images: list[CaptionedImage],
+        vocab: Vocabulary,
+        source: _Source,
+        max_length: int,
+        person_masks: PersonMasks | None = None,
+    ):
         self.images, self.source = images, source
+        self.person_masks = person_masks
         # All word ids in one flat array (pair k is tokens[starts[k]:starts[k + 1]]), not a
         # tensor per caption: COCO's 616k captions as tensors cost memory and slow every
         # garbage-collector pass over them (benchmarks/coco_scale.py).
@@ -57,22 +72,53 @@ class CaptionPairs(Dataset):
         self.tokens = np.asarray(tokens, dtype=np.int64)  # (total tokens,)
         self.starts = np.asarray(starts, dtype=np.int64)  # (pairs + 1,)
         self.image_of = np.asarray(image_of, dtype=np.int64)  # (pairs,)
+        self.person_words = self.person_coverage = None
+        if person_masks is not None:
+            self.person_words = _person_tokens(self.tokens, self.starts, vocab)  # (tokens,)
+            L = person_masks.grid**2
+            self.person_coverage = np.zeros((len(images), L), dtype=np.float32)
+            for i, im in enumerate(images):
+                found = person_masks.coverage_of(im.image_id)
+                if found is not None:
+                    self.person_coverage[i] = found.reshape(-1)
 
     def __len__(self) -> int:
         return len(self.image_of)
 
     def __getitem__(self, k: int):
         i = int(self.image_of[k])
-        ids = torch.from_numpy(self.tokens[self.starts[k]:self.starts[k + 1]])
+        span = slice(self.starts[k], self.starts[k + 1])
+        ids = torch.from_numpy(self.tokens[span])
         x = self.source(self.images[i])
-        return None if x is None else (x, ids, i)
+        if x is None:
+            return None
+        if self.person_coverage is None:
+            return x, ids, i
+        # the flags of the predicted tokens (all but <start>), aligned with the decoder's steps
+        words = torch.from_numpy(self.person_words[span][1:])
+        return x, ids, i, torch.from_numpy(self.person_coverage[i]), words
+
+
+def _person_tokens(tokens: np.ndarray, starts: np.ndarray, vocab: Vocabulary) -> np.ndarray:
+    """(tokens,) bool: the tokens that name a person, by attention correctness's word map."""
+    from showattendtell.attention_correctness import category_words
+
+    flags = np.zeros(len(tokens), dtype=bool)
+    itos = vocab.itos
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        words = [itos[t] for t in tokens[a:b].tolist()]
+        for j, category in category_words(words):
+            if category == "person":
+                flags[a + j] = True
+    return flags
 
 
 class ImagesWithReferences(Dataset):
     """One item per image (for decoding and scoring), with its first caption for the val loss."""
 
-    def __init__(self, images: list[CaptionedImage], vocab: Vocabulary, source: _Source,
-                 max_length: int):
+    def __init__(
+        self, images: list[CaptionedImage], vocab: Vocabulary, source: _Source, max_length: int
+    ):
         self.pairs = CaptionPairs([_first_caption(im) for im in images], vocab, source, max_length)
 
     def __len__(self) -> int:
@@ -91,13 +137,17 @@ def collate_captions(items):
     items = [it for it in items if it is not None]
     if not items:
         return None
-    xs, caps, idx = zip(*items, strict=True)
-    return {
+    xs, caps, idx, *person = zip(*items, strict=True)
+    batch = {
         "inputs": torch.stack(xs),
         "captions": pad_sequence(caps, batch_first=True, padding_value=0),
         "lengths": torch.tensor([len(c) - 1 for c in caps]),
         "index": torch.tensor(idx),
     }
+    if person:  # (B, L) mask coverage, (B, T) person-word flags of the predicted tokens
+        batch["person_target"] = torch.stack(person[0])
+        batch["person_words"] = pad_sequence(person[1], batch_first=True, padding_value=False)
+    return batch
 
 
 class CaptionDataModule(L.LightningDataModule):
@@ -119,6 +169,8 @@ class CaptionDataModule(L.LightningDataModule):
         extract_batch_size / extract_workers: images per batch and image-decoding processes
             when the feature cache is filled (None: the image pipeline's default for the
             device, ``pipeline.default_workers``).
+        person_masks: the training photos' person-mask file (``scripts/label_person_masks.py``):
+            training batches then carry the targets of ``model.objective.grounding``.
     """
 
     def __init__(
@@ -138,12 +190,23 @@ class CaptionDataModule(L.LightningDataModule):
         vocab_file: str | None = None,
         extract_batch_size: int = 32,
         extract_workers: int | None = None,
+        person_masks: str | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["encoder"])
         self.encoder_config = encoder or EncoderConfig()
         self._splits: dict[str, Split] = {}
         self._vocab: Vocabulary | None = None
+        self._person_masks: PersonMasks | None = None
+
+    @property
+    def person_masks(self) -> PersonMasks | None:
+        """The person-mask file of ``data.person_masks``, read once (None: not set)."""
+        if self._person_masks is None and self.hparams.person_masks:
+            self._person_masks = read_person_masks(
+                self.hparams.person_masks, self.encoder_config.grid
+            )
+        return self._person_masks
 
     def split(self, name: str) -> Split:
         if name not in self._splits:
@@ -190,14 +253,24 @@ class CaptionDataModule(L.LightningDataModule):
         train.require_images()
         return cache, cache.missing(train.images + self.val_images())
 
-    def extract_features(self, cache: FeatureCache, images: list[CaptionedImage],
-                         device: str | None = None, writer: str = "") -> int:
+    def extract_features(
+        self,
+        cache: FeatureCache,
+        images: list[CaptionedImage],
+        device: str | None = None,
+        writer: str = "",
+    ) -> int:
         """Encode ``images`` into ``cache`` (``writer``: see FeatureCache.extract)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         log.info("extracting encoder features of %d images into %s", len(images), cache.dir)
-        return cache.extract(images, Encoder(self.encoder_config),
-                             self.hparams.extract_batch_size, self.hparams.extract_workers,
-                             device=device, writer=writer)
+        return cache.extract(
+            images,
+            Encoder(self.encoder_config),
+            self.hparams.extract_batch_size,
+            self.hparams.extract_workers,
+            device=device,
+            writer=writer,
+        )
 
     def log_cache(self, cache: FeatureCache | None = None) -> None:
         """Say what the cache holds: ``cache`` as this process sees it, or read afresh (after
@@ -205,9 +278,13 @@ class CaptionDataModule(L.LightningDataModule):
         if self.hparams.feature_cache:
             if cache is None:
                 cache = FeatureCache.for_config(self.hparams.feature_cache, self.encoder_config)
-            log.info("feature cache %s: %d images, %.2f GB%s", cache.dir, len(cache),
-                     cache.size_bytes() / 1e9,
-                     f", {len(cache.failed)} undecodable (failed*.json)" if cache.failed else "")
+            log.info(
+                "feature cache %s: %d images, %.2f GB%s",
+                cache.dir,
+                len(cache),
+                cache.size_bytes() / 1e9,
+                f", {len(cache.failed)} undecodable (failed*.json)" if cache.failed else "",
+            )
 
     def prepare_data(self) -> None:
         """Fill the feature cache (once, on one process) for the train and validation images;
@@ -223,16 +300,35 @@ class CaptionDataModule(L.LightningDataModule):
             train = self.split(h.train_split)
             train.require_images()
             _warn_uncached(source, train.images, h.train_split)
-            self.train_set = CaptionPairs(train.images, self.vocab, source, h.max_caption_length)
+            if self.person_masks is not None:
+                absent = sum(im.image_id not in self.person_masks for im in train.images)
+                if absent:
+                    log.warning(
+                        "%s: %d of %d images are not in the person-mask file %s: their "
+                        "person words are not supervised",
+                        h.train_split,
+                        absent,
+                        len(train.images),
+                        h.person_masks,
+                    )
+            self.train_set = CaptionPairs(
+                train.images, self.vocab, source, h.max_caption_length, self.person_masks
+            )
         val = self.val_images()
         _warn_uncached(source, val, h.val_split)
         self.val_set = ImagesWithReferences(val, self.vocab, source, h.max_caption_length)
 
     def _loader(self, ds: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
         h = self.hparams
-        return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=h.num_workers,
-                          collate_fn=collate_captions, persistent_workers=h.num_workers > 0,
-                          worker_init_fn=_seed_worker)
+        return DataLoader(
+            ds,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=h.num_workers,
+            collate_fn=collate_captions,
+            persistent_workers=h.num_workers > 0,
+            worker_init_fn=_seed_worker,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.hparams.batch_size, shuffle=True)
@@ -247,13 +343,16 @@ def _warn_uncached(source: _Source, images: list[CaptionedImage], split: str) ->
         return
     absent = sum(1 for im in images if im.image_id not in source.cache)
     if absent:
-        log.warning("%s: %d of %d images have no cached features (undecodable ones are listed in "
-                    "%s/failed.json; run `sat features` for the rest) and are skipped",
-                    split, absent, len(images), source.cache.dir)
+        log.warning(
+            "%s: %d of %d images have no cached features (undecodable ones are listed in "
+            "%s/failed.json; run `sat features` for the rest) and are skipped",
+            split,
+            absent,
+            len(images),
+            source.cache.dir,
+        )
 
 
 def _seed_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
-
-
