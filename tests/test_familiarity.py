@@ -181,3 +181,76 @@ def test_resume_keeps_a_csv_file_written_before_the_familiarity_column(tiny_mode
     lines = out.read_text().splitlines()
     assert out.read_text().startswith(old) and len(lines) == 3
     assert lines[2].startswith(photos[1]) and lines[2].count(",") == 5  # the file's own layout
+
+
+def _study():
+    """scripts/familiarity_study.py as a module (scripts/ is no package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "familiarity_study.py"
+    spec = importlib.util.spec_from_file_location("familiarity_study", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_studys_auroc_and_logistic_regression():
+    study = _study()
+    rng = np.random.default_rng(3)
+    bad = rng.random(300) < 0.4
+    risk = rng.normal(size=300) + bad + np.round(rng.random(300))  # with ties
+    pairs = [(r_b > r_g) + 0.5 * (r_b == r_g) for r_b in risk[bad] for r_g in risk[~bad]]
+    assert study.auroc(bad, risk) == pytest.approx(np.mean(pairs))
+    assert study.auroc(bad, -risk) == pytest.approx(1 - np.mean(pairs))
+    x = rng.normal(size=(4000, 2))
+    y = (rng.random(4000) < 1 / (1 + np.exp(-(0.5 + 2 * x[:, 0] - x[:, 1])))).astype(float)
+    np.testing.assert_allclose(study.fit_logistic(x, y), [0.5, 2.0, -1.0], atol=0.2)
+    risk = study.cross_validated_risk(x, y)
+    assert risk.shape == (4000,) and study.auroc(y, risk) > 0.8
+
+
+def test_the_study_runs_end_to_end_and_reuses_its_cache(
+    tiny_model_file, synthetic_flickr, tmp_path
+):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    indexed = tmp_path / "indexed.safetensors"
+    assert (
+        main(
+            [
+                "export",
+                str(tiny_model_file),
+                str(indexed),
+                "--consensus-root",
+                str(synthetic_flickr),
+                "--consensus-neighbours",
+                "5",
+            ]
+        )
+        == 0
+    )
+    root = Path(__file__).resolve().parents[1]
+    command = [
+        sys.executable,
+        "scripts/familiarity_study.py",
+        "--model",
+        str(indexed),
+        "--flickr8k",
+        str(synthetic_flickr),
+        "--cache",
+        str(tmp_path / "cache"),
+        "--device",
+        "cpu",
+    ]
+    first = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "AUROC for a bad caption" in first.stdout and "calibration" in first.stdout
+    assert "flickr8k dev  photos     8" in first.stdout
+    again = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0
+    numbers = [line for line in first.stdout.splitlines() if "flickr8k_dev: " not in line]
+    assert again.stdout.splitlines() == numbers  # the same numbers, from the cache
+    assert "flickr8k_dev: " in first.stdout and "flickr8k_dev: " not in again.stdout  # cached
