@@ -99,7 +99,8 @@ def test_results_carry_the_familiarity_and_none_without_an_index(tiny_model_file
     grids = captioner.encode(torch.stack([captioner.preprocess(p) for p in photos]))
     pooled = ConsensusIndex.pool(grids)
     dim = pooled.shape[1]
-    like = pooled.repeat(10, 1) + 0.01 * torch.randn(30, dim)
+    spread = 0.2 * pooled.norm(dim=1).mean() / dim**0.5  # each index photo ~0.2 from a photo
+    like = pooled.repeat(10, 1) + spread * torch.randn(30, dim)
     captioner.model.consensus = ConsensusIndex(like, [["red circle"]] * 30, neighbours=3)
     results = captioner.caption(photos)
     for r in results:
