@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from showattendtell.caption_output import Writer
+from showattendtell.decoding import SEARCH_STRATEGIES
 from showattendtell.images import list_images, load_image
 from showattendtell.inference import PRECISIONS, Captioner, load_model
 from showattendtell.pipeline import (
@@ -64,14 +65,21 @@ def rate(fn: Callable[[], int], device: torch.device) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def end_to_end(captioner: Captioner, paths: list[str], batch_size: int, workers: int,
-               beam_size: int, lanes: int) -> int:
+def end_to_end(
+    captioner: Captioner,
+    paths: list[str],
+    batch_size: int,
+    workers: int,
+    beam_size: int,
+    lanes: int,
+) -> int:
     """What `sat caption -o FILE` does, with the lines written to /dev/null."""
     with open(os.devnull, "wb", buffering=0) as sink:
         writer = Writer("jsonl", False, sink)
         n = 0
-        for rec in caption_files(captioner, paths, batch_size, workers, lanes=lanes,
-                                 beam_size=beam_size):
+        for rec in caption_files(
+            captioner, paths, batch_size, workers, lanes=lanes, beam_size=beam_size
+        ):
             if rec.result is None:
                 raise SystemExit(f"{rec.path}: {rec.error}")
             writer.write(rec)
@@ -112,6 +120,7 @@ class Timers:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
         return timed
 
 
@@ -119,10 +128,13 @@ class Timers:
 def instrumented(captioner: Captioner, timers: Timers) -> Iterator[None]:
     """Time the encoder, the search, its decoder steps and the whole per-batch result step by
     wrapping them on these instances (the library itself carries no timing code)."""
-    targets = [(captioner, "encode", "encoder"), (captioner, "caption_annotations", "results"),
-               (captioner.model, "generate", "search"),
-               (captioner.model.decoder, "start", "decoder start"),
-               (captioner.model.decoder, "step", "decoder steps")]
+    targets = [
+        (captioner, "encode", "encoder"),
+        (captioner, "caption_annotations", "results"),
+        (captioner.model, "generate", "search"),
+        (captioner.model.decoder, "start", "decoder start"),
+        (captioner.model.decoder, "step", "decoder steps"),
+    ]
     for obj, attr, name in targets:
         object.__setattr__(obj, attr, timers.wrap(name, getattr(obj, attr)))
     try:
@@ -139,8 +151,9 @@ def cpu_seconds() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-def profile_run(captioner: Captioner, paths: list[str], batch_size: int, workers: int,
-                beam_size: int) -> dict[str, float]:
+def profile_run(
+    captioner: Captioner, paths: list[str], batch_size: int, workers: int, beam_size: int
+) -> dict[str, float]:
     """One end-to-end run, one batch at a time (1 lane, so that the stages add up to the wall
     time), with every main-process stage timed, in ms per image; the workers' CPU time is what
     their processes used (they exit at the end of the run)."""
@@ -150,8 +163,9 @@ def profile_run(captioner: Captioner, paths: list[str], batch_size: int, workers
     with instrumented(captioner, timers), open(os.devnull, "wb", buffering=0) as sink:
         writer = Writer("jsonl", False, sink)
         write = timers.wrap("JSON lines", writer.write)
-        for rec in caption_files(captioner, paths, batch_size, workers, lanes=1,
-                                 beam_size=beam_size):
+        for rec in caption_files(
+            captioner, paths, batch_size, workers, lanes=1, beam_size=beam_size
+        ):
             write(rec)
     wall = time.perf_counter() - t0
     cpu1 = cpu_seconds()
@@ -188,12 +202,15 @@ def decode_cost_ms(paths: list[str], input_size: int) -> float:
         torch.set_num_threads(threads)
 
 
-def print_profile(profiles: dict[str, dict[str, float]], encoder_ms: float,
-                  decode_ms: float, cores: int) -> None:
+def print_profile(
+    profiles: dict[str, dict[str, float]], encoder_ms: float, decode_ms: float, cores: int
+) -> None:
     names = list(next(iter(profiles.values())))
-    print(f"where the time goes, ms per image (encoder alone {encoder_ms:.2f}; image decoding "
-          f"on one core {decode_ms:.2f} = {decode_ms / encoder_ms:.0%} of the encoder, "
-          f"{cores} cores)")
+    print(
+        f"where the time goes, ms per image (encoder alone {encoder_ms:.2f}; image decoding "
+        f"on one core {decode_ms:.2f} = {decode_ms / encoder_ms:.0%} of the encoder, "
+        f"{cores} cores)"
+    )
     print(f"  {'':<34}" + "".join(f"{k:>10}" for k in profiles))
     for name in names:
         print(f"  {name:<34}" + "".join(f"{p[name]:>10.2f}" for p in profiles.values()))
@@ -209,41 +226,63 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
     return {k: round(v, 1) for k, v in mem.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model file (default: the bundled model)")
-    ap.add_argument("--images", nargs="+", default=[str(DEFAULT_IMAGES)],
-                    help="folders (or files) of images, read in place")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    choices=("cpu", "cuda"))
-    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                    help="as sat caption's default")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="image-decoding processes (default: sat caption's for the device)")
-    ap.add_argument("--repeats", type=int, default=5,
-                    help="timed rounds; medians are reported")
+    ap.add_argument(
+        "--images",
+        nargs="+",
+        default=[str(DEFAULT_IMAGES)],
+        help="folders (or files) of images, read in place",
+    )
+    ap.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
+    )
+    ap.add_argument(
+        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="as sat caption's default"
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="image-decoding processes (default: sat caption's for the device)",
+    )
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds; medians are reported")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N images")
     ap.add_argument("--latency-images", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--precision", default="32", choices=tuple(PRECISIONS),
-                    help="as sat caption's: float32, or mixed precision (16: GPU only)")
-    ap.add_argument("--lanes", type=int, default=None,
-                    help="batches in flight at once (default: the pipeline's, 2 on a CPU)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also print where the time of a greedy and a beam-3 run goes")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--precision",
+        default="32",
+        choices=tuple(PRECISIONS),
+        help="as sat caption's: float32, or mixed precision (16: GPU only)",
+    )
+    ap.add_argument(
+        "--lanes",
+        type=int,
+        default=None,
+        help="batches in flight at once (default: the pipeline's, 2 on a CPU)",
+    )
+    ap.add_argument(
+        "--search",
+        default="auto",
+        choices=SEARCH_STRATEGIES,
+        help="the search's strategy (default: by device; decoding._fixed)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where the time of a greedy and a beam-3 run goes",
+    )
+    return ap.parse_args(argv)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    paths = [str(p) for p in list_images(args.images)][: args.limit]
-    if not paths:
-        raise SystemExit(f"no images in {args.images}")
-    captioner = load_model(args.model, args.device, args.precision)
+
+def measure_rounds(
+    captioner: Captioner, paths: list[str], args: argparse.Namespace, lanes: int
+) -> tuple[list[float], list[tuple[float, ...]]]:
+    """Warm-up, single-image latencies, then ``repeats`` rounds of (encoder, greedy, beam 3,
+    encoder[, encoder in lanes]) images/s."""
     dev = captioner.device
-    lanes = default_lanes(dev) if args.lanes is None else args.lanes
-    if args.workers is None:
-        args.workers = default_workers(dev)
-
     # warm-up: worker start, allocator, kernels (cuDNN autotuning on a GPU)
     warm = paths[: args.batch_size]
     end_to_end(captioner, warm, args.batch_size, args.workers, 1, lanes)
@@ -252,25 +291,46 @@ def main(argv: list[str] | None = None) -> int:
 
     lat = latencies_ms(captioner, paths[: args.latency_images], 3)
     tensors = [captioner.preprocess(p) for p in paths]
-    batches = [torch.stack(tensors[i: i + args.batch_size]).to(dev)
-               for i in range(0, len(tensors), args.batch_size)]
+    batches = [
+        torch.stack(tensors[i : i + args.batch_size]).to(dev)
+        for i in range(0, len(tensors), args.batch_size)
+    ]
     encoder_alone(captioner, batches[:2], lanes)
-    timed = [lambda: encoder_alone(captioner, batches),
-             lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1, lanes),
-             lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 3, lanes),
-             lambda: encoder_alone(captioner, batches)]
+    timed = [
+        lambda: encoder_alone(captioner, batches),
+        lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1, lanes),
+        lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 3, lanes),
+        lambda: encoder_alone(captioner, batches),
+    ]
     if lanes > 1:  # in 1 lane it is the same measurement as the one before
         timed.append(lambda: encoder_alone(captioner, batches, lanes))
-    # each round: encoder, greedy, beam 3, encoder[, encoder in lanes]
-    rounds = [tuple(rate(fn, dev) for fn in timed) for _ in range(args.repeats)]
+    return lat, [tuple(rate(fn, dev) for fn in timed) for _ in range(args.repeats)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = [str(p) for p in list_images(args.images)][: args.limit]
+    if not paths:
+        raise SystemExit(f"no images in {args.images}")
+    captioner = load_model(args.model, args.device, args.precision)
+    captioner.model.search_strategy = args.search
+    dev = captioner.device
+    lanes = default_lanes(dev) if args.lanes is None else args.lanes
+    if args.workers is None:
+        args.workers = default_workers(dev)
+    lat, rounds = measure_rounds(captioner, paths, args, lanes)
     greedy, beam3 = (statistics.median(r[i] for r in rounds) for i in (1, 2))
     encoder_runs = [x for r in rounds for x in (r[0], r[3])]  # the reference, twice a round
     encoder = statistics.median(encoder_runs)
     encoder_lanes = statistics.median(r[4] for r in rounds) if lanes > 1 else encoder
     profiles = {}
     if args.profile:
-        profiles = {name: profile_run(captioner, paths, args.batch_size, args.workers, beam)
-                    for name, beam in (("greedy", 1), ("beam 3", 3))}
+        profiles = {
+            name: profile_run(captioner, paths, args.batch_size, args.workers, beam)
+            for name, beam in (("greedy", 1), ("beam 3", 3))
+        }
         decode_ms = decode_cost_ms(paths, captioner.input_size)
 
     result = {
@@ -285,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "lanes": lanes,
         "precision": args.precision,
+        "search": args.search,
         "repeats": args.repeats,
         "latency_p50_ms": round(float(np.percentile(lat, 50)), 1),
         "latency_p95_ms": round(float(np.percentile(lat, 95)), 1),
@@ -299,48 +360,66 @@ def main(argv: list[str] | None = None) -> int:
         "rounds_images_per_s": [[round(x, 2) for x in r] for r in rounds],  # as in ``timed``
         "encoder_images_per_s_min_max": [round(min(encoder_runs), 2), round(max(encoder_runs), 2)],
         **peak_memory_mb(dev),
-        **({"profile_ms_per_image": profiles, "decode_ms_per_image_one_core": round(decode_ms, 2)}
-           if profiles else {}),
+        **(
+            {"profile_ms_per_image": profiles, "decode_ms_per_image_one_core": round(decode_ms, 2)}
+            if profiles
+            else {}
+        ),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+    print_summary(result, lanes)
+    if profiles:
+        print_profile(profiles, 1000 / encoder, decode_ms, os.cpu_count() or 1)
+    print(json.dumps(result))
+    return 0
+
+
+def print_summary(result: dict[str, Any], lanes: int) -> None:
     rows = [
-        ("single image, beam 3, p50 / p95",
-         f"{result['latency_p50_ms']} / {result['latency_p95_ms']} ms"),
+        (
+            "single image, beam 3, p50 / p95",
+            f"{result['latency_p50_ms']} / {result['latency_p95_ms']} ms",
+        ),
         ("batch, greedy", f"{result['images_per_s_greedy']} img/s"),
         ("batch, beam 3", f"{result['images_per_s_beam3']} img/s"),
-        ("encoder alone (median, min-max)",
-         f"{result['encoder_images_per_s']} img/s, "
-         f"{'-'.join(map(str, result['encoder_images_per_s_min_max']))}"),
+        (
+            "encoder alone (median, min-max)",
+            f"{result['encoder_images_per_s']} img/s, "
+            f"{'-'.join(map(str, result['encoder_images_per_s_min_max']))}",
+        ),
         ("greedy / encoder", f"{result['ratio_greedy_to_encoder']:.0%}"),
         ("beam 3 / encoder", f"{result['ratio_beam3_to_encoder']:.0%}"),
     ]
     if lanes > 1:
         rows += [
-            (f"encoder alone, {lanes} lanes",
-             f"{result['encoder_in_lanes_images_per_s']} img/s"),
-            (f"greedy / encoder in {lanes} lanes",
-             f"{result['ratio_greedy_to_encoder_in_lanes']:.0%}"),
-            (f"beam 3 / encoder in {lanes} lanes",
-             f"{result['ratio_beam3_to_encoder_in_lanes']:.0%}"),
+            (f"encoder alone, {lanes} lanes", f"{result['encoder_in_lanes_images_per_s']} img/s"),
+            (
+                f"greedy / encoder in {lanes} lanes",
+                f"{result['ratio_greedy_to_encoder_in_lanes']:.0%}",
+            ),
+            (
+                f"beam 3 / encoder in {lanes} lanes",
+                f"{result['ratio_beam3_to_encoder_in_lanes']:.0%}",
+            ),
         ]
     rows += [
-        ("peak RSS (main / workers)",
-         f"{result['peak_rss_mb']} / {result['peak_rss_workers_mb']} MB"),
+        (
+            "peak RSS (main / workers)",
+            f"{result['peak_rss_mb']} / {result['peak_rss_workers_mb']} MB",
+        ),
     ]
     if "peak_gpu_mb" in result:
         rows.append(("peak GPU memory", f"{result['peak_gpu_mb']} MB"))
-    print(f"{result['model']} ({result['input_size']} px) on {result['device']}, "
-          f"{len(paths)} images, batch {args.batch_size}, {args.workers} workers, {lanes} lanes, "
-          f"precision {args.precision}, "
-          f"medians of {args.repeats} rounds, load average {result['load_average']}")
+    print(
+        f"{result['model']} ({result['input_size']} px) on {result['device']}, "
+        f"{result['images']} images, batch {result['batch_size']}, {result['workers']} "
+        f"workers, {lanes} lanes, precision {result['precision']}, "
+        f"medians of {result['repeats']} rounds, load average {result['load_average']}"
+    )
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-    if profiles:
-        print_profile(profiles, 1000 / encoder, decode_ms, os.cpu_count() or 1)
-    print(json.dumps(result))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""Decoder training throughput on cached-feature-shaped inputs (issue #7).
+"""Decoder training throughput on cached-feature-shaped inputs.
 
 Times the full training step (forward, loss with the doubly stochastic / REINFORCE terms,
-backward, Adam step) of the optimised decoder and of a plain per-step baseline that recomputes
-the attention projection every word (showattendtell/reference.py), and the machine's fp32 matmul
-rate in the same run. Prints a table, then one JSON object as the last line.
+backward, Adam step) of the optimised decoder and of the peer, sgrvinod's DecoderWithAttention
+with its own training step (tests/oracles/peer.py), on the same batch, and the machine's fp32
+matmul rate in the same run. ``--precision bf16`` runs both under bf16 autocast. Prints a
+table, then one JSON object as the last line. Run from the repository root, as a module (the
+peer lives with the tests' oracles):
 
-    python benchmarks/train_throughput.py --grid 14 --feature-dim 2048 --batch 64 --vocab 10000
+    python -m benchmarks.train_throughput --grid 14 --feature-dim 2048 --batch 64 --vocab 10000
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ import torch
 
 from showattendtell.decoder import Decoder, DecoderConfig
 from showattendtell.losses import hard_attention_loss, soft_attention_loss
-from showattendtell.reference import reference_soft_loss
+
+try:
+    from tests.oracles.peer import PeerDecoder, peer_loss
+except ModuleNotFoundError:  # run as a script: the tests' package is not importable
+    raise SystemExit(
+        "error: run this benchmark from the repository root as "
+        "python -m benchmarks.train_throughput"
+    ) from None
 
 
 def sync(device: torch.device) -> None:
@@ -60,8 +69,9 @@ def flops_per_token(cfg: DecoderConfig, L: int, D: int, V: int, tokens_per_capti
     """Matmul FLOPs of one training token: 3x the forward (backward costs about twice)."""
     E, H, A = cfg.embed_dim, cfg.hidden_dim, cfg.attention_dim
     per_caption = 2 * L * D * A + 2 * 2 * D * H  # W_a a (once per caption), h0 and c0
-    per_token = 2 * (H * (4 * H + A + 1) + L * A + L * D + D * 4 * H + E * 4 * H + H * E
-                     + D * E + E * V)
+    per_token = 2 * (
+        H * (4 * H + A + 1) + L * A + L * D + D * 4 * H + E * 4 * H + H * E + D * E + E * V
+    )
     return 3 * (per_token + per_caption / tokens_per_caption)
 
 
@@ -78,7 +88,7 @@ def time_steps(step, device, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", type=int, default=14)
     p.add_argument("--feature-dim", type=int, default=2048)
@@ -89,60 +99,99 @@ def main() -> None:
     p.add_argument("--hidden-dim", type=int, default=512)
     p.add_argument("--attention-dim", type=int, default=512)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: both steps under bf16 autocast (bf16-mixed training)",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=("auto", "fixed", "packed"),
+        default="auto",
+        help="the decoder's training recurrence (Decoder.forward's fixed_shape)",
+    )
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--no-baseline", action="store_true", help="skip the slow baseline")
-    args = p.parse_args()
+    p.add_argument("--no-baseline", action="store_true", help="skip the peer")
+    p.add_argument(
+        "--matmul-sizes",
+        default="2048,4096",
+        help="square matmuls that measure the machine's peak (comma-separated)",
+    )
+    return p.parse_args(argv)
 
+
+def train_step(model: torch.nn.Module, loss_fn, device: torch.device, precision: str):
+    """One optimiser step of ``model`` on ``loss_fn()``, under autocast for bf16."""
+    opt = torch.optim.Adam(model.parameters(), lr=2e-4)
+
+    def step() -> None:
+        with torch.autocast(device.type, torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
     random.seed(0)
     L, D, B, V = args.grid**2, args.feature_dim, args.batch, args.vocab
     cfg = DecoderConfig(args.attention, args.embed_dim, args.hidden_dim, args.attention_dim, 0.5)
     dec = Decoder(V, D, cfg).to(device).train()
-    opt = torch.optim.Adam(dec.parameters(), lr=2e-4)
     feats, caps, lengths = make_batch(B, L, D, V, device)
     n_tokens = int(lengths.sum())
-    baseline_b = [0.0]
+    fixed = {"auto": None, "fixed": True, "packed": False}[args.strategy]
 
-    def fast_step():
+    def ours() -> torch.Tensor:
         if args.attention == "soft":
-            loss = soft_attention_loss(dec(feats, caps, lengths), B, 1.0).loss
-        else:  # the REINFORCE pass (the expected-context pass costs the same as soft)
-            out = dec(feats, caps, lengths, mode="sample")
-            loss = hard_attention_loss(out, B, baseline_b[0]).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+            return soft_attention_loss(dec(feats, caps, lengths, fixed_shape=fixed), B).loss
+        # the REINFORCE pass (the expected-context pass costs the same as soft)
+        out = dec(feats, caps, lengths, mode="sample", fixed_shape=fixed)
+        return hard_attention_loss(out, B, 0.0).loss
 
-    def baseline_step():
-        loss = reference_soft_loss(dec, feats, caps, lengths, 1.0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    peak = matmul_gflops(device)
-    t_fast = time_steps(fast_step, device, warmup=2, reps=args.reps)
-    t_base = None
+    peak = matmul_gflops(device, [int(n) for n in args.matmul_sizes.split(",")])
+    t_fast = time_steps(train_step(dec, ours, device, args.precision), device, 2, args.reps)
+    t_peer = None
     if not args.no_baseline:
-        t_base = time_steps(baseline_step, device, 1, max(2, args.reps // 2))
+        peer = PeerDecoder(args.attention_dim, args.embed_dim, args.hidden_dim, V, D).to(device)
+        step = train_step(
+            peer, lambda: peer_loss(peer, feats, caps, lengths), device, args.precision
+        )
+        t_peer = time_steps(step, device, 1, max(2, args.reps // 2))
     fpt = flops_per_token(cfg, L, D, V, n_tokens / B)
     tok_s = n_tokens / t_fast
     result = {
-        "device": str(device), "attention": args.attention, "grid": args.grid,
-        "feature_dim": D, "batch": B, "vocab": V, "tokens_per_step": n_tokens,
-        "step_ms": round(t_fast * 1000, 1), "tokens_per_s": round(tok_s, 1),
-        "captions_per_s": round(B / t_fast, 2), "flops_per_token": int(fpt),
-        "achieved_gflops": round(tok_s * fpt / 1e9, 2), "matmul_gflops": round(peak, 1),
+        "device": str(device),
+        "attention": args.attention,
+        "grid": args.grid,
+        "feature_dim": D,
+        "batch": B,
+        "vocab": V,
+        "precision": args.precision,
+        "strategy": args.strategy,
+        "tokens_per_step": n_tokens,
+        "step_ms": round(t_fast * 1000, 1),
+        "tokens_per_s": round(tok_s, 1),
+        "captions_per_s": round(B / t_fast, 2),
+        "flops_per_token": int(fpt),
+        "achieved_gflops": round(tok_s * fpt / 1e9, 2),
+        "matmul_gflops": round(peak, 1),
         "fraction_of_peak": round(tok_s * fpt / 1e9 / peak, 3),
         "threads": torch.get_num_threads(),
     }
-    if t_base is not None:
-        result["baseline_tokens_per_s"] = round(n_tokens / t_base, 1)
-        result["speedup_vs_baseline"] = round(t_base / t_fast, 2)
+    if t_peer is not None:
+        result["peer_tokens_per_s"] = round(n_tokens / t_peer, 1)
+        result["speedup_vs_peer"] = round(t_peer / t_fast, 2)
     width = max(map(len, result))
     for k, v in result.items():
         print(f"{k:<{width}}  {v}")
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The decoder's inference shortcuts (decoder.py): each must compute what the plain step does."""
 
 import torch
-from helpers import feats, small_decoder
+from helpers import feats, make_batch, small_decoder
 
 from showattendtell.decoding import START
 
@@ -13,8 +13,12 @@ def test_word_gate_table_gives_the_steps_of_the_matmul():
         plain = dec.step(words, dec.start(a))
         table = dec.step(words, dec.start(a, word_gates=True))
     assert dec.start(a, word_gates=True).word_gates.shape == (30, 4 * 10)
-    for x, y in ((plain.log_probs, table.log_probs), (plain.alpha, table.alpha),
-                 (plain.state.h, table.state.h), (plain.state.c, table.state.c)):
+    for x, y in (
+        (plain.log_probs, table.log_probs),
+        (plain.alpha, table.alpha),
+        (plain.state.h, table.state.h),
+        (plain.state.c, table.state.c),
+    ):
         assert torch.allclose(x, y, atol=1e-6)
 
 
@@ -40,8 +44,12 @@ def test_no_word_gate_table_when_too_large_or_under_autocast(monkeypatch):
 
 def test_grouped_beams_attend_as_rows_with_their_own_grid_copies():
     """DecoderState.beams: K rows per image share one grid; the step equals K copies'."""
-    for attention, mode, attend in (("soft", "argmax", "before"), ("hard", "argmax", "before"),
-                                    ("soft", "argmax", "after"), ("hard", "argmax", "after")):
+    for attention, mode, attend in (
+        ("soft", "argmax", "before"),
+        ("hard", "argmax", "before"),
+        ("soft", "argmax", "after"),
+        ("hard", "argmax", "after"),
+    ):
         dec, a = small_decoder(attention=attention, seed=5, attend=attend).eval(), feats(B=3)
         K = 4
         words = torch.randint(4, 30, (3 * K,), generator=torch.Generator().manual_seed(0))
@@ -57,3 +65,40 @@ def test_grouped_beams_attend_as_rows_with_their_own_grid_copies():
         assert torch.allclose(x.alpha, y.alpha, atol=1e-6)
         if attention == "hard":
             assert torch.equal(x.location, y.location)
+
+
+def test_fixed_shape_training_gives_the_shrinking_batch_values_and_gradients():
+    """Decoder.forward's two recurrences, hard attention with forced locations and both
+    attends: the same losses' terms, alphas, locations and gradients."""
+    from showattendtell.losses import hard_attention_loss, soft_attention_loss
+
+    a, caps, lengths = make_batch(B=6, T=9, L=7, D=12)
+    locs = torch.randint(0, 7, (6, 9), generator=torch.Generator().manual_seed(3))
+    for attention, attend in (("hard", "before"), ("hard", "after"), ("soft", "before")):
+        dec = small_decoder(attention=attention, attend=attend, seed=7)
+        outs, grads = [], []
+        for fixed in (False, True):
+            out = dec(
+                a,
+                caps,
+                lengths,
+                mode="forced" if attention == "hard" else "soft",
+                locations=locs,
+                fixed_shape=fixed,
+            )
+            loss = (
+                hard_attention_loss(out, 6, 0.1).loss
+                if attention == "hard"
+                else soft_attention_loss(out, 6, lam=1.0, entropy=0.1).loss
+            )
+            outs.append((out, loss))
+            grads.append(torch.autograd.grad(loss, list(dec.parameters())))
+        (x, lx), (y, ly) = outs
+        assert torch.allclose(lx, ly, atol=1e-6)
+        assert torch.allclose(x.alphas, y.alphas, atol=1e-6)
+        if attention == "hard":
+            assert torch.equal(x.locations, y.locations)
+            assert torch.allclose(x.location_log_prob, y.location_log_prob, atol=1e-5)
+            assert torch.allclose(x.entropy, y.entropy, atol=1e-5)
+        for (name, _), gx, gy in zip(dec.named_parameters(), *grads, strict=True):
+            assert torch.allclose(gx, gy, rtol=1e-4, atol=1e-6), name

@@ -4,11 +4,18 @@ import numpy as np
 import pytest
 import torch
 from helpers import feats, trained_like_decoder
-from search_reference import _block_repeats as reference_block_repeats
-from search_reference import reference_beam_search, reference_greedy_decode
+from oracles.search import _block_repeats as reference_block_repeats
+from oracles.search import reference_beam_search, reference_greedy_decode
 from synthetic import make_example
 
-from showattendtell.decoding import END, UNK, _block_repeats, beam_search, greedy_decode
+from showattendtell.decoding import (
+    END,
+    UNK,
+    _ban_repeats,
+    _block_repeats,
+    beam_search,
+    greedy_decode,
+)
 
 
 def test_beam_of_one_equals_greedy():
@@ -32,44 +39,61 @@ def assert_same_hypotheses(fast, slow):
             assert torch.allclose(f.alphas, s.alphas, atol=1e-6)
 
 
+STRATEGIES = ["shrink", "fixed"]  # decoding._fixed: finished rows leave, or are masked
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("attend", ["before", "after"])
-@pytest.mark.parametrize("attention,hard_mode", [("soft", "argmax"), ("hard", "argmax"),
-                                                 ("hard", "expectation")])
+@pytest.mark.parametrize(
+    "attention,hard_mode", [("soft", "argmax"), ("hard", "argmax"), ("hard", "expectation")]
+)
 @pytest.mark.parametrize("options", [{}, {"no_repeat_ngram": 2}, {"allow_unk": True}])
 @pytest.mark.parametrize("end_shift", [0.0, -1.0, -1.5])
-def test_greedy_gives_what_the_plain_implementation_gives(attention, hard_mode, options,
-                                                          end_shift, attend):
+def test_greedy_gives_what_the_plain_implementation_gives(
+    attention, hard_mode, options, end_shift, attend, strategy
+):
     dec, a = later_end_decoder(attention, end_shift, attend), feats(B=7)
     for max_length in (1, 5, 12):
         assert_same_hypotheses(
-            greedy_decode(dec, a, max_length, hard_mode, **options),
-            reference_greedy_decode(dec, a, max_length, hard_mode, **options))
+            greedy_decode(dec, a, max_length, hard_mode, strategy=strategy, **options),
+            reference_greedy_decode(dec, a, max_length, hard_mode, **options),
+        )
 
 
-@pytest.mark.parametrize("attention,hard_mode", [("soft", "argmax"), ("hard", "argmax"),
-                                                 ("hard", "expectation")])
-@pytest.mark.parametrize("options", [{}, {"no_repeat_ngram": 2}, {"length_penalty": 1.0},
-                                     {"allow_unk": True}])
+@pytest.mark.parametrize(
+    "attention,hard_mode", [("soft", "argmax"), ("hard", "argmax"), ("hard", "expectation")]
+)
+@pytest.mark.parametrize(
+    "options", [{}, {"no_repeat_ngram": 2}, {"length_penalty": 1.0}, {"allow_unk": True}]
+)
 @pytest.mark.parametrize("end_shift", [0.0, -1.0, -1.5])
 @pytest.mark.parametrize("attend", ["before", "after"])
-def test_beam_search_gives_what_the_plain_implementation_gives(attention, hard_mode, options,
-                                                               end_shift, attend):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_beam_search_gives_what_the_plain_implementation_gives(
+    attention, hard_mode, options, end_shift, attend, strategy
+):
     """Images that finish early leave the batch, the first word is predicted once per image and
     beams share their image's grid: none of it may change a hypothesis."""
     dec, a = later_end_decoder(attention, end_shift, attend), feats(B=7)
     for beam_size, max_length in ((1, 8), (2, 1), (3, 12), (5, 10)):
         assert_same_hypotheses(
-            beam_search(dec, a, beam_size, max_length, hard_mode=hard_mode, **options),
-            reference_beam_search(dec, a, beam_size, max_length, hard_mode=hard_mode, **options))
+            beam_search(
+                dec, a, beam_size, max_length, hard_mode=hard_mode, strategy=strategy, **options
+            ),
+            reference_beam_search(dec, a, beam_size, max_length, hard_mode=hard_mode, **options),
+        )
 
 
-def test_a_beam_wider_than_half_the_vocabulary():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_beam_wider_than_half_the_vocabulary(strategy):
     """30 words and beam 20 (the service's largest): fewer candidates than the 2K the search
     ranks at the first step; the extra ones are dead, and the hypotheses are the plain search's."""
     dec, a = later_end_decoder(), feats(B=2)
     for options in ({}, {"no_repeat_ngram": 2}):
-        assert_same_hypotheses(beam_search(dec, a, 20, 2, **options),
-                               reference_beam_search(dec, a, 20, 2, **options))
+        assert_same_hypotheses(
+            beam_search(dec, a, 20, 2, strategy=strategy, **options),
+            reference_beam_search(dec, a, 20, 2, **options),
+        )
 
 
 def later_end_decoder(attention="soft", end_shift=-1.0, attend="before"):
@@ -80,11 +104,14 @@ def later_end_decoder(attention="soft", end_shift=-1.0, attend="before"):
     return dec
 
 
-def test_search_under_bf16_autocast_gives_the_plain_implementation_captions():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_search_under_bf16_autocast_gives_the_plain_implementation_captions(strategy):
     dec, a = later_end_decoder(), feats(B=5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        for fast, slow in ((greedy_decode(dec, a, 8), reference_greedy_decode(dec, a, 8)),
-                           (beam_search(dec, a, 3, 8), reference_beam_search(dec, a, 3, 8))):
+        for fast, slow in (
+            (greedy_decode(dec, a, 8, strategy=strategy), reference_greedy_decode(dec, a, 8)),
+            (beam_search(dec, a, 3, 8, strategy=strategy), reference_beam_search(dec, a, 3, 8)),
+        ):
             assert [[h.tokens for h in x] for x in fast] == [[h.tokens for h in x] for x in slow]
             assert all(h.alphas.shape == (len(h.tokens), 9) for x in fast for h in x)
 
@@ -95,15 +122,16 @@ def test_ngram_blocking_bans_what_the_per_row_loop_bans():
         hist = torch.randint(4, 8, (6, t), generator=gen)  # few words: many repeats
         logp = torch.randn(6, 10, generator=gen)
         for n in range(0, 5):
-            assert torch.equal(_block_repeats(logp, hist, n),
-                               reference_block_repeats(logp, hist.tolist(), n))
+            expected = reference_block_repeats(logp, hist.tolist(), n)
+            assert torch.equal(_block_repeats(logp, hist, n), expected)
+            assert torch.equal(_ban_repeats(logp, hist, n), expected)
 
 
 def test_beam_search_steps_only_the_rows_that_can_change_a_result():
     dec, a = later_end_decoder(), feats(B=7)
     rows, step = [], dec.step
     dec.step = lambda words, state, mode: rows.append(len(words)) or step(words, state, mode)
-    hyps = beam_search(dec, a, beam_size=3, max_length=12)
+    hyps = beam_search(dec, a, beam_size=3, max_length=12, strategy="shrink")
     assert len({max(len(h.tokens) for h in hs) for hs in hyps}) > 1
     assert rows[0] == 7 and max(rows) == 7 * 3  # the first word once per image
     assert rows[1:] == sorted(rows[1:], reverse=True) and rows[-1] < 7 * 3  # done: gone
@@ -161,7 +189,7 @@ def test_hard_attention_decoding_reports_chosen_locations():
 
 
 def repeated_ngrams(tokens: list[int], n: int) -> int:
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     return len(grams) - len(set(grams))
 
 
@@ -173,8 +201,9 @@ def test_no_repeat_ngram_blocks_every_repeated_ngram():
     free = beam_search(dec, a, beam_size=3, max_length=12) + greedy_decode(dec, a, 12)
     assert any(repeated_ngrams(h.tokens, 2) for hyps in free for h in hyps)
     for n in (1, 2, 3):
-        blocked = (beam_search(dec, a, beam_size=3, max_length=12, no_repeat_ngram=n)
-                   + greedy_decode(dec, a, 12, no_repeat_ngram=n))
+        blocked = beam_search(
+            dec, a, beam_size=3, max_length=12, no_repeat_ngram=n
+        ) + greedy_decode(dec, a, 12, no_repeat_ngram=n)
         for hyps in blocked:
             for h in hyps:
                 assert repeated_ngrams(h.tokens, n) == 0, (n, h.tokens)
@@ -184,10 +213,19 @@ def test_no_repeat_ngram_blocks_every_repeated_ngram():
 # -- the decoding options: one place checks them, for the CLI, the Python API and the service --
 
 BAD_OPTIONS = [
-    {"beam_size": 0}, {"beam_size": 21}, {"beam_size": 500}, {"beam_size": 2.5},
-    {"beam_size": True}, {"max_length": 0}, {"max_length": 101},
-    {"length_penalty": float("nan")}, {"length_penalty": float("inf")}, {"length_penalty": -1},
-    {"hard_mode": "maximum"}, {"no_repeat_ngram": -1}, {"beam": 3},
+    {"beam_size": 0},
+    {"beam_size": 21},
+    {"beam_size": 500},
+    {"beam_size": 2.5},
+    {"beam_size": True},
+    {"max_length": 0},
+    {"max_length": 101},
+    {"length_penalty": float("nan")},
+    {"length_penalty": float("inf")},
+    {"length_penalty": -1},
+    {"hard_mode": "maximum"},
+    {"no_repeat_ngram": -1},
+    {"beam": 3},
 ]
 
 
@@ -205,7 +243,7 @@ def test_bad_decoding_options_are_refused_everywhere(options, tiny_model_file, t
     captioner = load_model(tiny_model_file, device="cpu")
     with pytest.raises(DecodingError):
         caption_images(captioner, [img], **options)
-    (name, value), = options.items()
+    ((name, value),) = options.items()
     if name == "beam" or isinstance(value, bool) or value == 2.5:  # argparse's own type errors
         return
     flag = "--" + name.replace("_", "-")
@@ -235,3 +273,81 @@ def test_a_model_file_with_bad_stored_decoding_is_refused(tiny_model_file, tmp_p
     save_file(load_file(str(tiny_model_file)), str(path), metadata=meta)
     with pytest.raises(ModelFileError, match="beam size"):
         read_model(path)
+
+
+def fixed_loops(dec, a, ngram=2):
+    """The fixed-shape search's step loops (greedy and beam 3) from a started state."""
+    from showattendtell.decoding import _beam_fixed_steps, _greedy_fixed_loop
+
+    for loop, args in (
+        (_greedy_fixed_loop, (8, "argmax", False, ngram)),
+        (_beam_fixed_steps, (3, 8, "argmax", False, ngram)),
+    ):
+        yield loop, (dec, dec.start(a, word_gates=True), a, *args)
+
+
+HOST_SYNCS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_fixed_search_steps_never_wait_for_the_device(monkeypatch, attention):
+    """No call that copies a value to the host (and so waits for a GPU) inside the step loops
+    of the fixed-shape search, ensembles and n-gram blocking included."""
+    from showattendtell.ensemble import EnsembleDecoder
+
+    calls = []
+    for name in HOST_SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: calls.append("torch.nonzero"))
+    a = feats(B=4)
+    for dec in (
+        later_end_decoder(attention),
+        EnsembleDecoder([later_end_decoder(attention), trained_like_decoder()]),
+    ):
+        with torch.inference_mode():
+            for loop, args in fixed_loops(dec, a):
+                loop(*args)
+    assert calls == []
+    greedy_decode(later_end_decoder(attention), a, 8, strategy="shrink")  # counted there
+    assert calls
+
+
+def test_fixed_search_loops_compile_without_graph_breaks():
+    """torch.compile(fullgraph=True) traces each loop whole, decoder steps included (what
+    CUDA graphs and mode="reduce-overhead" need); the eager backend keeps the test fast."""
+    import torch._dynamo
+
+    a = feats(B=3)
+    for attention in ("soft", "hard"):
+        dec = later_end_decoder(attention)
+        for loop, args in fixed_loops(dec, a):
+            torch._dynamo.reset()
+            compiled = torch.compile(loop, fullgraph=True, backend="eager")
+            with torch.inference_mode():
+                got, expected = compiled(*args), loop(*args)
+            for x, y in zip(
+                torch.utils._pytree.tree_leaves(got),
+                torch.utils._pytree.tree_leaves(expected),
+                strict=True,
+            ):
+                assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_both_strategies_give_an_ensembles_captions(beam_size):
+    from showattendtell.decoding import DecodingConfig, generate
+    from showattendtell.ensemble import EnsembleDecoder
+
+    dec = EnsembleDecoder([later_end_decoder("hard"), later_end_decoder("soft", attend="after")])
+    a = feats(B=6)
+    for options in ({}, {"no_repeat_ngram": 2, "length_penalty": 1.0}):
+        config = DecodingConfig(beam_size=beam_size, max_length=10, **options)
+        assert_same_hypotheses(
+            generate(dec, a, config, strategy="fixed"), generate(dec, a, config, strategy="shrink")
+        )

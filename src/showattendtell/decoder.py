@@ -89,8 +89,11 @@ class DecoderState:
 
     def _images(self, images: torch.Tensor) -> dict:
         gates = None if self.image_gates is None else self.image_gates[images]
-        return {"projected": self.projected[images], "annotations": self.annotations[images],
-                "image_gates": gates}
+        return {
+            "projected": self.projected[images],
+            "annotations": self.annotations[images],
+            "image_gates": gates,
+        }
 
     def select(self, rows: torch.Tensor, same_images: bool = False) -> DecoderState:
         """The state of rows ``rows`` (N',): reorders beams, repeats images, drops finished
@@ -101,8 +104,9 @@ class DecoderState:
         images = rows if self.beams == 1 else torch.div(rows, self.beams, rounding_mode="floor")
         return replace(self, h=self.h[rows], c=self.c[rows], beams=1, **self._images(images))
 
-    def regroup(self, rows: torch.Tensor, beams: int,
-                images: torch.Tensor | None = None) -> DecoderState:
+    def regroup(
+        self, rows: torch.Tensor, beams: int, images: torch.Tensor | None = None
+    ) -> DecoderState:
         """Rows ``rows`` as groups of ``beams`` rows per image, for the images ``images`` (the
         groups still running, in order; None: all of them). Each selected row must belong to
         the image of its new group: beam search keeps beams within their image."""
@@ -179,11 +183,13 @@ class Decoder(nn.Module):
         if self.attend_proj is not None:  # attend "after": the LSTM step first, then attend
             h, c = self._lstm(gate_x + hp, c)
             ap = self.attend_proj(h)
-            z, alpha, s = self._attend(ap[:, :-1], ap[:, -1:], projected, annotations, mode,
-                                       locations, beams)
+            z, alpha, s = self._attend(
+                ap[:, :-1], ap[:, -1:], projected, annotations, mode, locations, beams
+            )
             return h, c, z, alpha, s
-        z, alpha, s = self._attend(hp[:, 4 * H : -1], hp[:, -1:], projected, annotations, mode,
-                                   locations, beams)
+        z, alpha, s = self._attend(
+            hp[:, 4 * H : -1], hp[:, -1:], projected, annotations, mode, locations, beams
+        )
         h, c = self._lstm(gate_x + hp[:, : 4 * H] + self.gate_context(z), c)
         return h, c, z, alpha, s
 
@@ -194,9 +200,16 @@ class Decoder(nn.Module):
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         return torch.sigmoid(o) * torch.tanh(c), c
 
-    def _attend(self, att_h: torch.Tensor, beta: torch.Tensor, projected: torch.Tensor,
-                annotations: torch.Tensor, mode: str, locations: torch.Tensor | None,
-                beams: int):
+    def _attend(
+        self,
+        att_h: torch.Tensor,
+        beta: torch.Tensor,
+        projected: torch.Tensor,
+        annotations: torch.Tensor,
+        mode: str,
+        locations: torch.Tensor | None,
+        beams: int,
+    ):
         """z_t, alpha_t and s_t (None for soft) from U_a h and f_beta(h) (pre-bias)."""
         alpha = self.attention.weights(projected, att_h, beams)
         if mode == "soft":
@@ -217,8 +230,9 @@ class Decoder(nn.Module):
             if beams == 1:
                 context = gather_locations(annotations, s)
             else:
-                image = torch.div(torch.arange(len(s), device=s.device), beams,
-                                  rounding_mode="floor")
+                image = torch.div(
+                    torch.arange(len(s), device=s.device), beams, rounding_mode="floor"
+                )
                 context = annotations[image, s]
         z = torch.sigmoid(beta + self.beta_bias) * context
         return z, alpha, s
@@ -245,11 +259,14 @@ class Decoder(nn.Module):
         (V rows, as many as a few batches' words) and kept until the weights change.
         """
         w, lin = self.embedding.weight, self.gate_embed
-        if (self.vocab_size * lin.out_features * w.element_size() > self.WORD_GATES_MAX_BYTES
-                or torch.is_autocast_enabled(w.device.type)):
+        if (
+            self.vocab_size * lin.out_features * w.element_size() > self.WORD_GATES_MAX_BYTES
+            or torch.is_autocast_enabled(w.device.type)
+        ):
             return None
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device)
-                    for t in (w, lin.weight, lin.bias))
+        key = tuple(
+            (t.data_ptr(), t._version, t.dtype, t.device) for t in (w, lin.weight, lin.bias)
+        )
         if self._word_gates is None or self._word_gates[0] != key:
             with torch.no_grad():
                 self._word_gates = (key, lin(w))
@@ -259,27 +276,41 @@ class Decoder(nn.Module):
         """The state before the first word, for annotation grids (B, L, D). ``word_gates``:
         look the embedding part of the gates up in a table (search at inference)."""
         h, c = self.init_state(annotations)  # (B, H) each
-        return DecoderState(h, c, self.attention.project_annotations(annotations), annotations,
-                            word_gates=self.word_gates() if word_gates else None,
-                            image_gates=self.image_gates(annotations))
+        return DecoderState(
+            h,
+            c,
+            self.attention.project_annotations(annotations),
+            annotations,
+            word_gates=self.word_gates() if word_gates else None,
+            image_gates=self.image_gates(annotations),
+        )
 
-    def step(self, prev_words: torch.Tensor, state: DecoderState,
-             hard_mode: str = "argmax") -> Step:
+    def step(
+        self, prev_words: torch.Tensor, state: DecoderState, hard_mode: str = "argmax"
+    ) -> Step:
         """Attend and predict the next word for every row, given the previous words (N,).
 
         Soft attention always uses the expected context. Hard attention attends to one cell:
         the most likely one (hard_mode "argmax") or a sampled one ("sample"); "expectation" gives
         it the expected context instead (how the authors' released sampler decodes).
         """
-        mode = "soft" if self.config.attention == "soft" or hard_mode == "expectation" \
-            else hard_mode
+        mode = (
+            "soft" if self.config.attention == "soft" or hard_mode == "expectation" else hard_mode
+        )
         emb = self.embedding(prev_words)  # (N, E)
         gate_x = self.gate_embed(emb) if state.word_gates is None else state.word_gates[prev_words]
         if state.image_gates is not None:  # (N / beams, 4H): each image's row for its beams
-            gate_x = (gate_x.view(-1, state.beams, gate_x.size(1))
-                      + state.image_gates.unsqueeze(1)).view_as(gate_x)
+            gate_x = (
+                gate_x.view(-1, state.beams, gate_x.size(1)) + state.image_gates.unsqueeze(1)
+            ).view_as(gate_x)
         h, c, z, alpha, s = self.recurrent_step(
-            gate_x, state.h, state.c, state.projected, state.annotations, mode, beams=state.beams,
+            gate_x,
+            state.h,
+            state.c,
+            state.projected,
+            state.annotations,
+            mode,
+            beams=state.beams,
         )
         log_probs = F.log_softmax(self.deep_output(emb, h, z), dim=-1)  # (N, V)
         return Step(log_probs, alpha, s, replace(state, h=h, c=c))
@@ -293,19 +324,29 @@ class Decoder(nn.Module):
         lengths: torch.Tensor,
         mode: str = "soft",
         locations: torch.Tensor | None = None,
+        fixed_shape: bool | None = None,
     ) -> TeacherForcedOutput:
         """Teacher-forced pass. captions (B, T+1) = <start> w1 .. wn <end> <pad>..;
         lengths (B,) = n + 1 predicted tokens per caption. mode: "soft", "sample" (hard
-        training) or "forced" (hard, with s_t from ``locations`` (B, T))."""
-        B, L, _ = annotations.shape
-        lengths = lengths.to(annotations.device)
-        # Longest captions first: at step t the captions still running are rows [:n_t].
-        order = torch.argsort(lengths, descending=True, stable=True)  # (B,)
-        a, caps, lens = annotations[order], captions[order], lengths[order]  # (B, L, D) (B, T+1)
-        T = int(lens[0])  # steps of the longest caption
-        batch_sizes = [int(n) for n in (lens.unsqueeze(0) > torch.arange(T, device=lens.device)
-                                         .unsqueeze(1)).sum(1).tolist()]  # n_t for t < T
+        training) or "forced" (hard, with s_t from ``locations`` (B, T)).
 
+        Two recurrences, the same values: ``fixed_shape`` runs every caption for all T steps
+        and masks what follows its end (the same tensor shapes every step, no host
+        synchronisation inside the loop: what a GPU, CUDA graphs and torch.compile need);
+        otherwise captions sorted by length leave the batch as they end (fewer multiply-adds:
+        faster on a CPU). None: fixed on a GPU, shrinking on a CPU.
+        """
+        if fixed_shape is None:
+            fixed_shape = annotations.device.type != "cpu"
+        lengths = lengths.to(annotations.device)
+        if fixed_shape:
+            return self._forward_fixed(annotations, captions, lengths, mode, locations)
+        return self._forward_packed(annotations, captions, lengths, mode, locations)
+
+    def _inputs(self, a: torch.Tensor, caps: torch.Tensor, T: int):
+        """What does not depend on h, for all steps at once: the embeddings (B, T, E), their
+        share of the gates (with attend "after" the image's too) (B, T, 4H), W_a a (B, L, A)
+        and h_0, c_0."""
         emb = self.embedding(caps[:, :T])  # (B, T, E): inputs y_0..y_{T-1}
         gate_x = self.gate_embed(emb)  # (B, T, 4H), all steps in one matmul
         image_gates = self.image_gates(a)  # (B, 4H) or None
@@ -313,8 +354,78 @@ class Decoder(nn.Module):
             gate_x = gate_x + image_gates.unsqueeze(1)
         projected = self.attention.project_annotations(a)  # (B, L, A), once per caption
         h, c = self.init_state(a)  # (B, H) each
-        forced = locations[order] if locations is not None else None  # (B, T)
+        return emb, gate_x, projected, h, c
 
+    def _forward_fixed(
+        self,
+        a: torch.Tensor,
+        caps: torch.Tensor,
+        lengths: torch.Tensor,
+        mode: str,
+        locations: torch.Tensor | None,
+    ) -> TeacherForcedOutput:
+        """All B captions for all T steps, a loss mask after each caption's end."""
+        B, T = caps.size(0), caps.size(1) - 1
+        live = torch.arange(T, device=a.device) < lengths.unsqueeze(1)  # (B, T)
+        emb, gate_x, projected, h, c = self._inputs(a, caps, T)
+        forced = None if locations is None else locations[:, :T].clamp_min(0)
+        hs, zs, alphas, ss = [], [], [], []
+        for t in range(T):
+            h, c, z, alpha, s = self.recurrent_step(
+                gate_x[:, t], h, c, projected, a, mode, None if forced is None else forced[:, t]
+            )
+            hs.append(h)
+            zs.append(z)
+            alphas.append(alpha)
+            ss.append(s)
+        alphas_bt = torch.stack(alphas, 1) * live.unsqueeze(2).to(alphas[0].dtype)  # (B, T, L)
+        # the real tokens, time-major (the packed order): one host synchronisation per batch
+        sel = live.t().reshape(-1).nonzero().squeeze(1)  # t * B + b
+
+        def tokens(x: torch.Tensor) -> torch.Tensor:  # (B, T, ...) -> (N, ...)
+            return x.transpose(0, 1).reshape(B * T, *x.shape[2:])[sel]
+
+        logits = self.deep_output(
+            tokens(emb), tokens(torch.stack(hs, 1)), tokens(torch.stack(zs, 1))
+        )  # (N, V)
+        hard = ss[0] is not None
+        if hard:
+            s_bt = torch.stack(ss, 1)  # (B, T)
+            logp_s = torch.log(alphas_bt.gather(2, s_bt.unsqueeze(2)).squeeze(2).clamp_min(1e-12))
+            logp_s = logp_s * live
+            ents = attention_entropy(alphas_bt.flatten(0, 1)).view(B, T)  # 0 after the end
+        return TeacherForcedOutput(
+            logits=logits,
+            targets=tokens(caps[:, 1 : T + 1]),
+            caption_index=sel % B,
+            alphas=alphas_bt,
+            location_log_prob=logp_s.sum(1) if hard else None,
+            entropy=ents.sum(1) if hard else None,
+            locations=s_bt.masked_fill(~live, -1) if hard else None,
+        )
+
+    def _forward_packed(
+        self,
+        annotations: torch.Tensor,
+        captions: torch.Tensor,
+        lengths: torch.Tensor,
+        mode: str,
+        locations: torch.Tensor | None,
+    ) -> TeacherForcedOutput:
+        """Captions sorted by length, each leaving the batch after its end."""
+        B, L, _ = annotations.shape
+        # Longest captions first: at step t the captions still running are rows [:n_t].
+        order = torch.argsort(lengths, descending=True, stable=True)  # (B,)
+        a, caps, lens = annotations[order], captions[order], lengths[order]  # (B, L, D) (B, T+1)
+        T = int(lens[0])  # steps of the longest caption
+        batch_sizes = [
+            int(n)
+            for n in (lens.unsqueeze(0) > torch.arange(T, device=lens.device).unsqueeze(1))
+            .sum(1)
+            .tolist()
+        ]  # n_t for t < T
+        emb, gate_x, projected, h, c = self._inputs(a, caps, T)
+        forced = locations[order] if locations is not None else None  # (B, T)
         # per step t: h (n_t, H), z (n_t, D); alphas and the hard terms padded back to B rows
         hs, zs, alphas, logps, ents, locs = [], [], [], [], [], []
         for t, n in enumerate(batch_sizes):
@@ -322,7 +433,12 @@ class Decoder(nn.Module):
                 # cost a zero-filled gradient buffer of W_a a per step in the backward pass)
                 h, c, projected, a = h[:n], c[:n], projected[:n], a[:n]
             h, c, z, alpha, s = self.recurrent_step(  # (n, H) (n, H) (n, D) (n, L) (n,)
-                gate_x[:n, t], h, c, projected, a, mode,
+                gate_x[:n, t],
+                h,
+                c,
+                projected,
+                a,
+                mode,
                 None if forced is None else forced[:n, t],
             )
             hs.append(h)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from showattendtell.decoder import Decoder, DecoderState
+from showattendtell.decoder import Decoder
 from showattendtell.errors import UsageError
 
 PAD, START, END, UNK = 0, 1, 2, 3
@@ -76,14 +76,18 @@ class DecodingOption:
         if self.kind == "int":
             return _integer(what, value, int(self.low), int(self.high))
         if self.kind == "float":
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or not self.low <= value <= self.high):
-                raise DecodingError(f"{what} must be a number from {self.low:g} to "
-                                    f"{self.high:g}, not {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or not self.low <= value <= self.high
+            ):
+                raise DecodingError(
+                    f"{what} must be a number from {self.low:g} to {self.high:g}, not {value!r}"
+                )
             return float(value)
         if not isinstance(value, str) or value not in self.choices:
-            raise DecodingError(f"{what} must be one of {', '.join(self.choices)}, not "
-                                f"{value!r}")
+            raise DecodingError(f"{what} must be one of {', '.join(self.choices)}, not {value!r}")
         return value
 
 
@@ -102,39 +106,92 @@ class DecodingConfig:
     field's ``option`` is the one declaration of its flag, UI control and API input.
     """
 
-    beam_size: int = field(default=3, metadata=option(
-        "int", "beam size", "beam width, 1-20 (1: greedy)", low=1, high=MAX_BEAM_SIZE,
-        ui_label="Beam size (1: greedy)"))
-    max_length: int = field(default=20, metadata=option(
-        "int", "maximum length", "maximum words per caption, 1-100", low=1,
-        high=MAX_CAPTION_LENGTH, ui_label="Maximum length (words)"))
-    length_penalty: float = field(default=0.0, metadata=option(
-        "float", "length penalty", "rank beams by log p / length**alpha, alpha from 0 to 5",
-        low=0, high=MAX_LENGTH_PENALTY, step=0.1, advanced=True,
-        ui_label="Length penalty (beams ranked by log p / length^penalty)"))
-    hard_mode: str = field(default="argmax", metadata=option(
-        "choice", "hard-attention mode",
-        "hard attention only: attend to the most likely location (argmax), a sampled one "
-        "(sample), or use the expected context (expectation)",
-        choices=HARD_MODES, widget="radio", needs="hard",
-        ui_label="Hard attention at inference",
-        ui_info="argmax and sample decode each word from one grid cell (framed in white); the "
-                "expected context averages all cells by their weights, like soft attention",
-        ui_choices=("argmax: the most likely cell", "sample: a cell drawn from the weights",
-                    "expected context (like soft attention)")))
-    no_repeat_ngram: int = field(default=0, metadata=option(
-        "int", "no-repeat n-gram size",
-        "never repeat an N-word sequence within a caption (0: allow)", low=0,
-        high=MAX_CAPTION_LENGTH, metavar="N", widget="number", advanced=True,
-        ui_label="No repeated n-grams of this size (0: allow)"))
-    rerank: str = field(default="none", metadata=option(
-        "choice", "reranking",
-        "consensus: choose among the beam's captions the one that best agrees with the "
-        "captions of similar training photos (models with a consensus index; `sat models` "
-        "says which)", choices=RERANKERS, widget="radio", advanced=True, needs="consensus",
-        ui_label="Rerank the beam's captions",
-        ui_info="consensus: the one that best agrees with the captions of similar training "
-                "photos"))
+    beam_size: int = field(
+        default=3,
+        metadata=option(
+            "int",
+            "beam size",
+            "beam width, 1-20 (1: greedy)",
+            low=1,
+            high=MAX_BEAM_SIZE,
+            ui_label="Beam size (1: greedy)",
+        ),
+    )
+    max_length: int = field(
+        default=20,
+        metadata=option(
+            "int",
+            "maximum length",
+            "maximum words per caption, 1-100",
+            low=1,
+            high=MAX_CAPTION_LENGTH,
+            ui_label="Maximum length (words)",
+        ),
+    )
+    length_penalty: float = field(
+        default=0.0,
+        metadata=option(
+            "float",
+            "length penalty",
+            "rank beams by log p / length**alpha, alpha from 0 to 5",
+            low=0,
+            high=MAX_LENGTH_PENALTY,
+            step=0.1,
+            advanced=True,
+            ui_label="Length penalty (beams ranked by log p / length^penalty)",
+        ),
+    )
+    hard_mode: str = field(
+        default="argmax",
+        metadata=option(
+            "choice",
+            "hard-attention mode",
+            "hard attention only: attend to the most likely location (argmax), a sampled one "
+            "(sample), or use the expected context (expectation)",
+            choices=HARD_MODES,
+            widget="radio",
+            needs="hard",
+            ui_label="Hard attention at inference",
+            ui_info="argmax and sample decode each word from one grid cell (framed in white); the "
+            "expected context averages all cells by their weights, like soft attention",
+            ui_choices=(
+                "argmax: the most likely cell",
+                "sample: a cell drawn from the weights",
+                "expected context (like soft attention)",
+            ),
+        ),
+    )
+    no_repeat_ngram: int = field(
+        default=0,
+        metadata=option(
+            "int",
+            "no-repeat n-gram size",
+            "never repeat an N-word sequence within a caption (0: allow)",
+            low=0,
+            high=MAX_CAPTION_LENGTH,
+            metavar="N",
+            widget="number",
+            advanced=True,
+            ui_label="No repeated n-grams of this size (0: allow)",
+        ),
+    )
+    rerank: str = field(
+        default="none",
+        metadata=option(
+            "choice",
+            "reranking",
+            "consensus: choose among the beam's captions the one that best agrees with the "
+            "captions of similar training photos (models with a consensus index; `sat models` "
+            "says which)",
+            choices=RERANKERS,
+            widget="radio",
+            advanced=True,
+            needs="consensus",
+            ui_label="Rerank the beam's captions",
+            ui_info="consensus: the one that best agrees with the captions of similar training "
+            "photos",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name, opt in DECODING_OPTIONS.items():
@@ -145,8 +202,10 @@ class DecodingConfig:
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise DecodingError(f"unknown decoding option {unknown[0]!r}; the options are "
-                                f"{', '.join(sorted(known))}")
+            raise DecodingError(
+                f"unknown decoding option {unknown[0]!r}; the options are "
+                f"{', '.join(sorted(known))}"
+            )
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:
@@ -182,22 +241,84 @@ def _block_repeats(logp: torch.Tensor, histories: torch.Tensor, n: int) -> torch
 
     The ``no_repeat_ngram_size`` of Hugging Face's generate, written out here because that
     function is tied to its own models; histories (N, t) is each row's caption so far. A few
-    tensor ops per step, whatever the number of rows (a Python loop over the rows' histories
-    cost more than a beam-3 step's bookkeeping).
+    tensor ops per step, whatever the number of rows; the banned words are found with one
+    ``nonzero`` (a host synchronisation, cheap on a CPU; ``_ban_repeats`` is the sync-free form).
     """
-    t = histories.size(1)
-    if n <= 0 or t < n:
+    match, following = _repeat_matches(histories, n)
+    if match is None:
         return logp
-    following = histories[:, n - 1:]  # (N, t-n+1): the word after each (n-1)-gram
-    if n == 1:
-        match = torch.ones_like(following, dtype=torch.bool)
-    else:
-        windows = histories.unfold(1, n - 1, 1)[:, : t - n + 1]  # (N, t-n+1, n-1)
-        match = (windows == histories[:, t - n + 1:].unsqueeze(1)).all(2)  # same as the prefix
     rows, at = match.nonzero(as_tuple=True)
     if len(rows) == 0:
         return logp
     return logp.index_put((rows, following[rows, at]), logp.new_tensor(float("-inf")))
+
+
+def _ban_repeats(logp: torch.Tensor, histories: torch.Tensor, n: int) -> torch.Tensor:
+    """What ``_block_repeats`` bans, as a fixed-shape tensor op with no host synchronisation:
+    the matches are scattered as counts into an (N, V) table (a word may follow several
+    matching and non-matching prefixes, so a plain boolean scatter could race)."""
+    match, following = _repeat_matches(histories, n)
+    if match is None:
+        return logp
+    counts = torch.zeros(logp.shape, dtype=torch.int32, device=logp.device)
+    counts.scatter_add_(1, following, match.to(torch.int32))
+    return logp.masked_fill(counts > 0, float("-inf"))
+
+
+def _repeat_matches(histories: torch.Tensor, n: int):
+    """(match, following), both (N, t-n+1): whether the (n-1)-gram at each position equals the
+    caption's last n-1 words, and the word after it; (None, None) when nothing can repeat."""
+    t = histories.size(1)
+    if n <= 0 or t < n:
+        return None, None
+    following = histories[:, n - 1 :]  # (N, t-n+1): the word after each (n-1)-gram
+    if n == 1:
+        return torch.ones_like(following, dtype=torch.bool), following
+    windows = histories.unfold(1, n - 1, 1)[:, : t - n + 1]  # (N, t-n+1, n-1)
+    return (windows == histories[:, t - n + 1 :].unsqueeze(1)).all(2), following
+
+
+SEARCH_STRATEGIES = ("auto", "shrink", "fixed")
+
+
+def _fixed(strategy: str, device: torch.device) -> bool:
+    """Which search runs. "shrink": finished rows leave the batch (the least arithmetic: the
+    fastest on a CPU). "fixed": every row runs every step, finished ones masked, with no host
+    synchronisation inside the loop (a GPU waits for none of it, and a step keeps its shapes
+    for CUDA graphs and torch.compile). "auto": fixed on a GPU, shrink on a CPU. Both give the
+    same hypotheses (tests/test_decoding.py)."""
+    if strategy not in SEARCH_STRATEGIES:
+        raise ValueError(
+            f"search strategy must be one of {', '.join(SEARCH_STRATEGIES)}, not {strategy!r}"
+        )
+    return strategy == "fixed" or (strategy == "auto" and device.type != "cpu")
+
+
+class _Masks:
+    """The words a step may not emit: banned tokens, repeated n-grams, and anything but <end>
+    at the last step. ``sync_free``: the n-gram ban without a host synchronisation."""
+
+    def __init__(
+        self,
+        V: int,
+        device,
+        allow_unk: bool,
+        max_length: int,
+        no_repeat_ngram: int,
+        sync_free: bool,
+    ):
+        self.banned = banned_tokens(V, device, allow_unk)
+        self.not_end = torch.arange(V, device=device) != END
+        self.max_length, self.n = max_length, no_repeat_ngram
+        self.block = _ban_repeats if sync_free else _block_repeats
+
+    def __call__(self, logp: torch.Tensor, t: int, histories: torch.Tensor) -> torch.Tensor:
+        logp = logp.masked_fill(self.banned, float("-inf"))
+        if self.n > 0:
+            logp = self.block(logp, histories, self.n)
+        if t == self.max_length:  # no room for another word: only <end> may follow
+            logp = logp.masked_fill(self.not_end, float("-inf"))
+        return logp
 
 
 @torch.inference_mode()
@@ -208,37 +329,52 @@ def greedy_decode(
     hard_mode: str = "argmax",
     allow_unk: bool = False,
     no_repeat_ngram: int = 0,
+    strategy: str = "auto",
 ) -> list[list[Hypothesis]]:
     """The most likely word at each step, for a batch of images (B, L, D).
 
-    no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption. The words, maps and
-    log-probabilities go into preallocated tensors, one indexed write per step, read back to
-    Python once at the end: per-row Python work per word costs as much as a small batch's step.
+    no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption. ``strategy``: see
+    ``_fixed``. The words, maps and log-probabilities go into preallocated tensors, one indexed
+    write per step, read back to Python once at the end.
     """
-    B, L, _ = annotations.shape
-    dev = annotations.device
-    T = max_length + 1  # steps at most: max_length words and <end>
+    loop = _greedy_fixed_loop if _fixed(strategy, annotations.device) else _greedy_shrink_loop
     state = decoder.start(annotations, word_gates=True)
+    tokens, logps, alphas, locs = loop(
+        decoder, state, annotations, max_length, hard_mode, allow_unk, no_repeat_ngram
+    )
+    lengths = (tokens != END).sum(1).tolist()  # <end> once, at the end: words before it
+    token_lists, logp_list = tokens.tolist(), logps.tolist()
+    loc_lists = locs.tolist() if locs is not None else None
+    return [
+        [
+            Hypothesis(
+                token_lists[b][:n],
+                logp_list[b],
+                logp_list[b],
+                alphas[b, :n],
+                loc_lists[b][:n] if loc_lists is not None else None,
+            )
+        ]
+        for b, n in enumerate(lengths)
+    ]
+
+
+def _greedy_shrink_loop(decoder, state, annotations, max_length, hard_mode, allow_unk, ngram):
+    """Greedy steps where a row whose caption ended leaves the batch. Returns tokens (B, T)
+    (<end> after the end), log p (B,) in float64, maps (B, T, L), locations (B, T) or None."""
+    B, L, _ = annotations.shape
+    dev, T = annotations.device, max_length + 1  # steps at most: max_length words and <end>
     words = torch.full((B,), START, dtype=torch.long, device=dev)  # (N,) N rows still running
     active = torch.arange(B, device=dev)  # (N,) the image of each running row
-    tokens = torch.full((B, T), END, dtype=torch.long, device=dev)  # (B, T): <end> after the end
-    alphas = annotations.new_zeros(0)  # (B, T, L) once the maps' type is known
+    tokens = torch.full((B, T), END, dtype=torch.long, device=dev)
     locs = torch.zeros(B, T, dtype=torch.long, device=dev)
-    logps = torch.zeros(B, dtype=torch.float64, device=dev)  # summed in float64, as before
-    one_cell = False
+    logps = torch.zeros(B, dtype=torch.float64, device=dev)  # summed in float64
     for t in range(T):
         logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (N, V), (N, L), (N,)
         if t == 0:
-            banned = banned_tokens(logp.size(1), dev, allow_unk)
-            not_end = torch.arange(logp.size(1), device=dev) != END
-            one_cell = s is not None
+            masks = _Masks(logp.size(1), dev, allow_unk, max_length, ngram, False)
             alphas = alpha.new_zeros(B, T, L)  # bfloat16 under autocast
-        logp = logp.masked_fill(banned, float("-inf"))
-        if no_repeat_ngram > 0:
-            logp = _block_repeats(logp, tokens[active, :t], no_repeat_ngram)
-        if t == max_length:  # no room for another word: only <end> may follow
-            logp = logp.masked_fill(not_end, float("-inf"))
-        best, words = logp.max(1)  # (N,), (N,)
+        best, words = masks(logp, t, tokens[active, :t]).max(1)  # (N,), (N,)
         logps[active] += best.double()
         tokens[active, t] = words
         alphas[active, t] = alpha
@@ -251,14 +387,60 @@ def greedy_decode(
         if n < len(active):  # captions that ended leave the batch
             keep = running.nonzero().squeeze(1)
             active, words, state = active[keep], words[keep], state.select(keep)
-    lengths = (tokens != END).sum(1).tolist()  # <end> once, at the end: words before it
-    token_lists, logp_list = tokens.tolist(), logps.tolist()
-    loc_lists = locs.tolist() if one_cell else None
-    return [
-        [Hypothesis(token_lists[b][:n], logp_list[b], logp_list[b], alphas[b, :n],
-                    loc_lists[b][:n] if loc_lists is not None else None)]
-        for b, n in enumerate(lengths)
-    ]
+    return tokens, logps, alphas, locs if s is not None else None
+
+
+def _greedy_fixed_loop(decoder, state, annotations, max_length, hard_mode, allow_unk, ngram):
+    """Greedy steps over all B rows for all max_length + 1 steps, finished rows masked: no host
+    synchronisation (``_greedy_shrink_loop``'s results, the same values)."""
+    B, L, _ = annotations.shape
+    dev, T = annotations.device, max_length + 1
+    words = torch.full((B,), START, dtype=torch.long, device=dev)
+    tokens = torch.full((B, T), END, dtype=torch.long, device=dev)
+    logps = torch.zeros(B, dtype=torch.float64, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    locs = None
+    for t in range(T):
+        logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (B, V), (B, L), (B,)
+        if t == 0:
+            masks = _Masks(logp.size(1), dev, allow_unk, max_length, ngram, True)
+            alphas = alpha.new_zeros(B, T, L)
+            if s is not None:
+                locs = torch.zeros(B, T, dtype=torch.long, device=dev)
+        best, words = masks(logp, t, tokens[:, :t]).max(1)
+        words = words.masked_fill(done, END)
+        logps += best.double().masked_fill(done, 0.0)
+        tokens[:, t], alphas[:, t] = words, alpha
+        if locs is not None:
+            locs[:, t] = s
+        done = done | (words == END)
+    return tokens, logps, alphas, locs
+
+
+def _candidates(logp: torch.Tensor, scores: torch.Tensor, K: int):
+    """The 2K best continuations of each image's k beams (scores (G, k), logp (G*k, V)):
+    enough to refill K after some end. Returns their scores, beams and words (G, 2K) and which
+    are <end>."""
+    G, k = scores.shape
+    V = logp.size(1)
+    cand = (scores.view(G * k, 1) + logp).view(G, k * V)
+    if k * V < 2 * K:  # a vocabulary smaller than twice the beam: pad with dead candidates
+        cand = F.pad(cand, (0, 2 * K - k * V), value=float("-inf"))
+    top, idx = cand.topk(2 * K, dim=1)
+    idx = idx.clamp_max(k * V - 1)  # a padded (-inf) candidate continues a real beam, dead
+    beam, word = idx // V, idx % V
+    return top, beam, word, (word == END) & torch.isfinite(top)
+
+
+def _survivors(top, beam, word, is_end, K: int):
+    """The K best candidates that are not <end>: their scores (-inf: dead), beams and words."""
+    rank = torch.where(is_end | ~torch.isfinite(top), 2 * K + 1, 0) + torch.arange(
+        2 * K, device=top.device
+    )
+    keep = rank.argsort(1)[:, :K]  # (G, K) positions in the top-2K list
+    words = word.gather(1, keep)
+    scores = torch.where(words == END, float("-inf"), top.gather(1, keep))
+    return scores, beam.gather(1, keep), words
 
 
 @torch.inference_mode()
@@ -271,108 +453,196 @@ def beam_search(
     hard_mode: str = "argmax",
     allow_unk: bool = False,
     no_repeat_ngram: int = 0,
+    strategy: str = "auto",
 ) -> list[list[Hypothesis]]:
     """Beam search for a batch of images (B, L, D), the beams of all images stepped together.
 
     A beam that emits <end> among the top K candidates of its image is finished; an image is done
     when it has K finished captions (or at max_length). Hypotheses are ranked by
     log_prob / len**length_penalty, len counting <end>. no_repeat_ngram > 0: no n-gram of that
-    size occurs twice in a caption. Returns the K best per image.
+    size occurs twice in a caption. Returns the K best per image. ``strategy``: see ``_fixed``.
 
-    Only work that can change a result is done: the first word is predicted once per image (its
-    K beams would be identical), an image that is done leaves the batch, and each image's grid
-    is stored once for its K beams (DecoderState.beams).
+    The first word is predicted once per image (its K beams would be identical) and each
+    image's grid is stored once for its K beams (DecoderState.beams).
     """
+    loop = _beam_fixed_loop if _fixed(strategy, annotations.device) else _beam_shrink_loop
+    state = decoder.start(annotations, word_gates=True)  # a row per image
+    finished = loop(
+        decoder, state, annotations, beam_size, max_length, hard_mode, allow_unk, no_repeat_ngram
+    )
+
+    def norm(logp: float, n: int) -> float:
+        return logp / (n**length_penalty) if length_penalty else logp
+
+    return [
+        sorted(
+            (
+                Hypothesis(tokens, logp, norm(logp, len(tokens) + 1), alphas, locs)
+                for tokens, logp, alphas, locs in image
+            ),
+            key=lambda hy: hy.score,
+            reverse=True,
+        )[:beam_size]
+        for image in finished
+    ]
+
+
+def _beam_shrink_loop(decoder, state, annotations, K, max_length, hard_mode, allow_unk, ngram):
+    """Beam steps where an image that is done leaves the batch. Returns, per image, its
+    finished captions in the order they ended: (tokens, log p, maps, locations or None)."""
     B, L, _ = annotations.shape
-    K, dev = beam_size, annotations.device
-    # one row per image until the first word
-    state: DecoderState = decoder.start(annotations, word_gates=True)
+    dev = annotations.device
     words = torch.full((B,), START, dtype=torch.long, device=dev)
     scores = annotations.new_zeros(B, 1)  # (G, k): the G images still running, k beams each
     images = list(range(B))  # the image of each running group
     hist_tokens = torch.zeros(B, 0, dtype=torch.long, device=dev)  # (G*k, t)
     hist_alpha = annotations.new_zeros(B, 0, L)  # (G*k, t, L)
     hist_loc = torch.zeros(B, 0, dtype=torch.long, device=dev)  # (G*k, t)
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    one_cell = False
-
-    def norm(logp: float, n: int) -> float:
-        return logp / (n**length_penalty) if length_penalty else logp
-
+    finished: list[list[tuple]] = [[] for _ in range(B)]
     for t in range(max_length + 1):
         logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (G*k, V), (G*k, L)
-        G, k = scores.shape
-        V = logp.size(1)
         if t == 0:
-            banned = banned_tokens(V, dev, allow_unk)
-            not_end = torch.arange(V, device=dev) != END
-            one_cell = s is not None
-        logp = logp.masked_fill(banned, float("-inf"))
-        if no_repeat_ngram > 0:
-            logp = _block_repeats(logp, hist_tokens, no_repeat_ngram)
-        if t == max_length:  # no room for another word: only <end> may follow
-            logp = logp.masked_fill(not_end, float("-inf"))
-        cand = (scores.view(G * k, 1) + logp).view(G, k * V)
-        if k * V < 2 * K:  # a vocabulary smaller than twice the beam: pad with dead candidates
-            cand = F.pad(cand, (0, 2 * K - k * V), value=float("-inf"))
-        top, idx = cand.topk(2 * K, dim=1)  # (G, 2K): enough to refill K after some end
-        idx = idx.clamp_max(k * V - 1)  # a padded (-inf) candidate continues a real beam, dead
-        beam, word = idx // V, idx % V
-        is_end = (word == END) & torch.isfinite(top)
-
-        # Finish: <end> candidates ranked within the image's top K.
-        ends = is_end[:, :K].nonzero().tolist()
+            masks = _Masks(logp.size(1), dev, allow_unk, max_length, ngram, False)
+        k = scores.size(1)
+        top, beam, word, is_end = _candidates(masks(logp, t, hist_tokens), scores, K)
+        ends = is_end[:, :K].nonzero().tolist()  # <end> within the image's top K: finished
         if ends:
-            n = hist_tokens.size(1)
             top_l, beam_l = top.tolist(), beam.tolist()
             for g, j in ends:
                 src = g * k + beam_l[g][j]
-                finished[images[g]].append(Hypothesis(
-                    hist_tokens[src].tolist(), top_l[g][j], norm(top_l[g][j], n + 1),
-                    hist_alpha[src].clone(), hist_loc[src].tolist() if one_cell else None,
-                ))
+                finished[images[g]].append(
+                    (
+                        hist_tokens[src].tolist(),
+                        top_l[g][j],
+                        hist_alpha[src].clone(),
+                        hist_loc[src].tolist() if s is not None else None,
+                    )
+                )
         running = [g for g, b in enumerate(images) if len(finished[b]) < K]
         if not running or t == max_length:
             break
-
-        # Continue: the K best candidates that are not <end>, for the images still running.
-        rank = torch.where(is_end | ~torch.isfinite(top), 2 * K + 1, 0) + torch.arange(
-            2 * K, device=dev
-        )
-        keep = rank.argsort(1)[:, :K]  # (G, K) positions in the top-2K list
-        new_scores = top.gather(1, keep)
-        src = beam.gather(1, keep) + torch.arange(G, device=dev).unsqueeze(1) * k  # (G, K)
-        words = word.gather(1, keep)  # (G, K)
+        scores, src, words = _survivors(top, beam, word, is_end, K)  # (G, K) each
+        src = src + torch.arange(len(images), device=dev).unsqueeze(1) * k
         groups = None
-        if len(running) < G:  # images that are done leave the batch
+        if len(running) < len(images):  # images that are done leave the batch
             groups = torch.tensor(running, device=dev)
-            new_scores, src, words = new_scores[groups], src[groups], words[groups]
+            scores, src, words = scores[groups], src[groups], words[groups]
             images = [images[g] for g in running]
-        scores = torch.where(words == END, float("-inf"), new_scores)
         src, words = src.view(-1), words.view(-1)
         state = state.regroup(src, K, groups)  # src stays within each image's rows
         hist_tokens = torch.cat([hist_tokens[src], words.unsqueeze(1)], 1)
         hist_alpha = torch.cat([hist_alpha[src], alpha[src].unsqueeze(1)], 1)
         if s is not None:
             hist_loc = torch.cat([hist_loc[src], s[src].unsqueeze(1)], 1)
-
-    results = []
-    for b in range(B):
-        hyps = sorted(finished[b], key=lambda hy: hy.score, reverse=True)[:K]
-        results.append(hyps)
-    return results
+    return finished
 
 
-def generate(decoder: Decoder, annotations: torch.Tensor,
-             config: DecodingConfig) -> list[list[Hypothesis]]:
+def _beam_fixed_loop(decoder, state, annotations, K, max_length, hard_mode, allow_unk, ngram):
+    """``_beam_shrink_loop``'s finished captions from ``_beam_fixed_steps``: one copy to the
+    host after the loop."""
+    pool, count = _beam_fixed_steps(
+        decoder, state, annotations, K, max_length, hard_mode, allow_unk, ngram
+    )
+    p_tokens, p_logp, p_len, p_alpha, p_loc = pool
+    tokens, logps, lengths = p_tokens.tolist(), p_logp.tolist(), p_len.tolist()
+    locs = p_loc.tolist() if p_loc is not None else None
+    return [
+        [
+            (
+                tokens[b][j][: lengths[b][j]],
+                logps[b][j],
+                p_alpha[b, j, : lengths[b][j]],
+                locs[b][j][: lengths[b][j]] if locs is not None else None,
+            )
+            for j in range(n)
+        ]
+        for b, n in enumerate(count.clamp_max(2 * K).tolist())
+    ]
+
+
+def _beam_fixed_steps(decoder, state, annotations, K, max_length, hard_mode, allow_unk, ngram):
+    """Beam steps over all images for all max_length + 1 steps, with no host synchronisation:
+    images that are done are masked, beams reordered with gathers, finished captions scattered
+    into a pool of 2K slots per image (K - 1 before the last step that can add K), in the order
+    they ended. Returns the pool (tokens, log p, lengths, maps, locations) and the counts (B,)."""
+    B, L, _ = annotations.shape
+    dev, T, P = annotations.device, max_length + 1, 2 * K
+    words = torch.full((B,), START, dtype=torch.long, device=dev)
+    scores = annotations.new_zeros(B, 1)  # (B, k)
+    image = torch.arange(B, device=dev).unsqueeze(1)  # (B, 1)
+    hist = [torch.full((B, T), END, dtype=torch.long, device=dev), None, None]  # tokens, maps, s
+    pool = [
+        torch.full((B, P + 1, T), END, dtype=torch.long, device=dev),  # slot P: discarded
+        torch.zeros(B, P + 1, device=dev),
+        torch.zeros(B, P + 1, dtype=torch.long, device=dev),
+        None,
+        None,
+    ]
+    count = torch.zeros(B, dtype=torch.long, device=dev)
+    for t in range(T):
+        logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (B*k, V), (B*k, L)
+        if t == 0:
+            masks = _Masks(logp.size(1), dev, allow_unk, max_length, ngram, True)
+            # maps in the grids' type, as the shrinking search's (float32 under autocast)
+            hist[1], pool[3] = annotations.new_zeros(B, T, L), annotations.new_zeros(B, P + 1, T, L)
+            if s is not None:
+                hist[2], pool[4] = torch.zeros_like(hist[0]), torch.zeros_like(pool[0])
+        k = scores.size(1)
+        top, beam, word, is_end = _candidates(masks(logp, t, hist[0][:, :t]), scores, K)
+        ends = is_end[:, :K] & (count < K).unsqueeze(1)  # (B, K): finished, images not done
+        slot = torch.where(ends, count.unsqueeze(1) + ends.cumsum(1) - 1, P)  # (B, K)
+        rows = beam[:, :K] + image * k  # (B, K) the rows they end
+        for p, h in zip(pool[:1] + pool[3:], hist, strict=True):
+            if h is not None:
+                idx = slot.view(B, K, *[1] * (h.dim() - 1)).expand(B, K, *h.shape[1:])
+                p.scatter_(1, idx, h[rows])
+        pool[1].scatter_(1, slot, top[:, :K].float())
+        pool[2].scatter_(1, slot, torch.full_like(slot, t))
+        count = count + ends.sum(1)
+        if t == max_length:
+            break
+        scores, src, words = _survivors(top, beam, word, is_end, K)  # (B, K) each
+        src, words = (src + image * k).view(-1), words.view(-1)
+        state = state.regroup(src, K)  # src stays within each image's rows
+        hist = [None if h is None else h[src] for h in hist]
+        hist[0][:, t] = words
+        hist[1][:, t] = alpha[src]
+        if s is not None:
+            hist[2][:, t] = s[src]
+    return (
+        pool[0][:, :P],
+        pool[1][:, :P],
+        pool[2][:, :P],
+        pool[3][:, :P],
+        None if pool[4] is None else pool[4][:, :P],
+    ), count
+
+
+def generate(
+    decoder: Decoder, annotations: torch.Tensor, config: DecodingConfig, strategy: str = "auto"
+) -> list[list[Hypothesis]]:
     """Captions for a batch of annotation grids (B, L, D) with every option of ``config``: the
-    one place a decoding option reaches the search (beam 1 decodes greedily)."""
+    one place a decoding option reaches the search (beam 1 decodes greedily). ``strategy``:
+    the search's strategy (see ``_fixed``), "auto" unless a test or a benchmark forces one."""
     if config.beam_size == 1:
-        return greedy_decode(decoder, annotations, config.max_length, config.hard_mode,
-                             no_repeat_ngram=config.no_repeat_ngram)
-    return beam_search(decoder, annotations, config.beam_size, config.max_length,
-                       config.length_penalty, config.hard_mode,
-                       no_repeat_ngram=config.no_repeat_ngram)
+        return greedy_decode(
+            decoder,
+            annotations,
+            config.max_length,
+            config.hard_mode,
+            no_repeat_ngram=config.no_repeat_ngram,
+            strategy=strategy,
+        )
+    return beam_search(
+        decoder,
+        annotations,
+        config.beam_size,
+        config.max_length,
+        config.length_penalty,
+        config.hard_mode,
+        no_repeat_ngram=config.no_repeat_ngram,
+        strategy=strategy,
+    )
 
 
 @dataclass
@@ -390,7 +660,9 @@ class SampledCaptions:
 
 @torch.no_grad()
 def sample_captions(
-    decoder: Decoder, annotations: torch.Tensor, max_length: int = 20,
+    decoder: Decoder,
+    annotations: torch.Tensor,
+    max_length: int = 20,
     hard_mode: str = "sample",
 ) -> SampledCaptions:
     """One caption per image, each word (and, for hard attention with hard_mode "sample", each

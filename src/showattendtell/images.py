@@ -6,6 +6,7 @@ import contextlib
 import io
 import itertools
 import os
+import platform
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,6 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
-from torchvision.transforms.v2 import functional as TF
 
 from showattendtell.encoder import IMAGENET_MEAN, IMAGENET_STD
 from showattendtell.errors import UserError
@@ -127,16 +127,32 @@ def preprocess(img: Image.Image, input_size: int) -> torch.Tensor:
 
 
 def resize(img: Image.Image, input_size: int) -> torch.Tensor:
-    """RGB image -> (3, S, S) uint8 tensor, resized with antialiasing (aspect not kept)."""
-    return TF.resize(TF.pil_to_tensor(img), [input_size, input_size], antialias=True)
+    """RGB image -> (3, S, S) uint8 tensor, resized with antialiasing (aspect not kept).
+
+    torchvision's ``resize(pil_to_tensor(img), ..., antialias=True)`` written with torch alone,
+    the same values (tests/test_startup.py): importing torchvision takes a large part of
+    `sat caption`'s start-up. Bilinear on uint8 runs natively where torch has a vectorised
+    kernel (a channels-last view, as torchvision passes it), else in float32, rounded back.
+    """
+    x = torch.as_tensor(np.array(img, copy=True)).view(img.height, img.width, -1)
+    x = x.permute(2, 0, 1).unsqueeze(0)  # (1, C, H, W), channels-last in memory
+    if x.shape[-2:] == (input_size, input_size):
+        return x[0]
+    native = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+              or platform.machine() in ("aarch64", "arm64"))
+    y = torch.nn.functional.interpolate(x if native else x.float(), size=[input_size] * 2,
+                                        mode="bilinear", align_corners=False, antialias=True)
+    return (y if native else y.round_().to(torch.uint8))[0]
 
 
 def normalise(x: torch.Tensor) -> torch.Tensor:
     """uint8 images (..., 3, S, S) -> float32, ImageNet-normalised. The image pipeline's workers
     send uint8 (a quarter of the bytes) and this runs on whole batches where they arrive, on the
     GPU when there is one: the same operations as ``preprocess``, the same values."""
-    x = TF.to_dtype(x, torch.float32, scale=True)
-    return TF.normalize(x, list(IMAGENET_MEAN), list(IMAGENET_STD))
+    x = x.to(torch.float32).mul_(1.0 / 255)  # as torchvision's to_dtype(scale=True)
+    mean = torch.as_tensor(IMAGENET_MEAN, dtype=x.dtype, device=x.device).view(-1, 1, 1)
+    std = torch.as_tensor(IMAGENET_STD, dtype=x.dtype, device=x.device).view(-1, 1, 1)
+    return x.sub(mean).div_(std)  # as torchvision's normalize
 
 
 def list_images(paths: list[str | Path], recursive: bool = False) -> list[Path]:

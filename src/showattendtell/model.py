@@ -13,6 +13,10 @@ from showattendtell.vocab import Vocabulary
 
 
 class CaptionModel(nn.Module):
+    # the search's strategy (decoding._fixed): "auto" picks by device; benchmarks and tests
+    # force "shrink" or "fixed" to compare them on one machine
+    search_strategy: str = "auto"
+
     def __init__(
         self,
         vocab: Vocabulary,
@@ -37,26 +41,31 @@ class CaptionModel(nn.Module):
         image's hypotheses, best first (by the consensus with rerank "consensus", else by
         their scores)."""
         self.check_decoding(decoding)
-        hypotheses = generate(self.decoder, annotations, decoding)
+        hypotheses = generate(self.decoder, annotations, decoding, self.search_strategy)
         if decoding.rerank == "consensus" and decoding.beam_size > 1:  # greedy: nothing to pick
             hypotheses = self._rerank(annotations, hypotheses)
         return hypotheses
 
-    def _rerank(self, annotations: torch.Tensor,
-                hypotheses: list[list[Hypothesis]]) -> list[list[Hypothesis]]:
+    def _rerank(
+        self, annotations: torch.Tensor, hypotheses: list[list[Hypothesis]]
+    ) -> list[list[Hypothesis]]:
         """Each image's hypotheses by their consensus score, highest first (consensus.py);
         the sort is stable, so ties keep the beam's order."""
         captions = [[" ".join(self.words(h)) for h in hyps] for hyps in hypotheses]
         scores = self.consensus.rerank(ConsensusIndex.pool(annotations), captions)
-        return [[hyps[i] for i in sorted(range(len(hyps)), key=lambda i: -s[i])]
-                for hyps, s in zip(hypotheses, scores, strict=True)]
+        return [
+            [hyps[i] for i in sorted(range(len(hyps)), key=lambda i: -s[i])]
+            for hyps, s in zip(hypotheses, scores, strict=True)
+        ]
 
     def check_decoding(self, decoding: DecodingConfig) -> None:
         """Raise DecodingError for options this model cannot decode with."""
         if decoding.rerank == "consensus" and self.consensus is None:
-            raise DecodingError("--rerank consensus needs a model with a consensus index; this "
-                                "one has none (`sat export MODEL OUT --consensus-root ...` adds "
-                                "one; `sat models` lists the models that have one)")
+            raise DecodingError(
+                "--rerank consensus needs a model with a consensus index; this "
+                "one has none (`sat export MODEL OUT --consensus-root ...` adds "
+                "one; `sat models` lists the models that have one)"
+            )
 
     @torch.no_grad()
     def interpolate_(self, other: CaptionModel, alpha: float) -> CaptionModel:

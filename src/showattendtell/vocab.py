@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-
-from nltk.tokenize import TreebankWordTokenizer
 
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS = (PAD, START, END, UNK)
@@ -18,13 +17,20 @@ PUNCTUATION = {
     ".", "?", "!", ",", ":", "-", "--", "...", ";", '"',
 }
 
-# Treebank needs no downloaded nltk data (unlike word_tokenize, which needs punkt).
-_TREEBANK = TreebankWordTokenizer()
+
+@functools.cache
+def _treebank():
+    """nltk's Treebank tokenizer (it needs no downloaded data, unlike word_tokenize), made on
+    first use: importing nltk takes a noticeable part of `sat caption`'s start-up, which
+    never tokenizes."""
+    from nltk.tokenize import TreebankWordTokenizer
+
+    return TreebankWordTokenizer()
 
 
 def tokenize(caption: str) -> list[str]:
     """Lower-case Penn-Treebank tokens with punctuation stripped, as the COCO toolkit does."""
-    tokens = _TREEBANK.tokenize(caption.lower().replace("\n", " "))
+    tokens = _treebank().tokenize(caption.lower().replace("\n", " "))
     return [t for t in tokens if t not in PUNCTUATION and not all(c in ".-" for c in t)]
 
 

@@ -3,8 +3,7 @@
 Written as directly as possible from the paper, reading the weights of a ``Decoder``: every step
 recomputes W_a a_i, runs every caption of the batch (padding masked), and applies the output
 layer step by step. An oracle, not used by the library: the tests check the optimised decoder
-against it, and benchmarks/train_throughput.py uses it as the baseline; it lives in the package
-so that both import it the same way.
+against it. Device-clean: every tensor it makes is on the device of the grids.
 """
 
 from __future__ import annotations
@@ -61,8 +60,8 @@ def reference_soft_loss(dec: Decoder, a, captions, lengths, lam: float = 1.0):
     T = int(lengths.max())
     mean = a.mean(1)
     h, c = dec.init_h(mean), dec.init_c(mean)
-    nll = torch.zeros(B)
-    alpha_sum = torch.zeros(B, a.size(1))
+    nll = a.new_zeros(B)
+    alpha_sum = a.new_zeros(B, a.size(1))
     for t in range(T):
         logits, h_new, c_new, alpha = reference_step(dec, captions[:, t], h, c, a)
         live = (t < lengths).float()
@@ -81,7 +80,7 @@ def reference_greedy(dec: Decoder, a, max_length: int = 20) -> list[list[int]]:
         x = x.unsqueeze(0)
         mean = x.mean(1)
         h, c = dec.init_h(mean), dec.init_c(mean)
-        y, words = torch.tensor([1]), []
+        y, words = torch.tensor([1], device=a.device), []
         for t in range(max_length + 1):
             logits, h, c, _ = reference_step(dec, y, h, c, x)
             logits[0, :2] = float("-inf")

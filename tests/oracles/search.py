@@ -1,8 +1,7 @@
-"""Greedy and beam search as they were before the faster rewrite (issue #17, item 5; commit
-9e2e838), kept verbatim as the tests' oracle: the rewrite must give the same captions, scores,
-attention maps and locations. Here every beam has its own copy of its image's grid and every
-row is stepped until the last image is done: slower, plain, and what the models were
-evaluated with."""
+"""Plain greedy and beam search, the tests' oracle: both search strategies of decoding.py must
+give the same captions, scores, attention maps and locations. Here every beam has its own copy
+of its image's grid, every row is stepped until the last image is done and each row's words are
+handled in Python: slower, plain, and what the models were evaluated with."""
 
 from __future__ import annotations
 
@@ -24,9 +23,9 @@ def _block_repeats(logp: torch.Tensor, histories: list[list[int]], n: int) -> to
     for r, hist in enumerate(histories):
         if len(hist) < n - 1:
             continue
-        prefix = hist[len(hist) - n + 1:]
+        prefix = hist[len(hist) - n + 1 :]
         for i in range(len(hist) - n + 1):
-            if hist[i:i + n - 1] == prefix:
+            if hist[i : i + n - 1] == prefix:
                 rows.append(r)
                 words.append(hist[i + n - 1])
     if rows:
@@ -85,9 +84,15 @@ def reference_greedy_decode(
             keep_t = torch.tensor(keep, device=dev)
             active, words, state = active[keep_t], words[keep_t], state.select(keep_t)
     return [
-        [Hypothesis(tokens[b], logps[b], logps[b],
-                    torch.stack(alphas[b]) if alphas[b] else annotations.new_zeros(0, L),
-                    locs[b] if one_cell else None)]
+        [
+            Hypothesis(
+                tokens[b],
+                logps[b],
+                logps[b],
+                torch.stack(alphas[b]) if alphas[b] else annotations.new_zeros(0, L),
+                locs[b] if one_cell else None,
+            )
+        ]
         for b in range(B)
     ]
 
@@ -114,7 +119,8 @@ def reference_beam_search(
     K, dev = beam_size, annotations.device
     # W_a a once per image, then K rows per image: beam k of image b is row b*K + k
     state: DecoderState = decoder.start(annotations).select(
-        torch.arange(B, device=dev).repeat_interleave(K))
+        torch.arange(B, device=dev).repeat_interleave(K)
+    )
     words = torch.full((B * K,), START, dtype=torch.long, device=dev)
     scores = torch.full((B, K), float("-inf"), device=dev)
     scores[:, 0] = 0.0  # all beams start identical: keep one
@@ -147,10 +153,15 @@ def reference_beam_search(
         for b, j in (is_end[:, :K] & ~done.unsqueeze(1)).nonzero().tolist():
             src = b * K + int(beam[b, j])
             n = hist_tokens.size(1)
-            finished[b].append(Hypothesis(
-                hist_tokens[src].tolist(), float(top[b, j]), norm(float(top[b, j]), n + 1),
-                hist_alpha[src].clone(), hist_loc[src].tolist() if one_cell else None,
-            ))
+            finished[b].append(
+                Hypothesis(
+                    hist_tokens[src].tolist(),
+                    float(top[b, j]),
+                    norm(float(top[b, j]), n + 1),
+                    hist_alpha[src].clone(),
+                    hist_loc[src].tolist() if one_cell else None,
+                )
+            )
         done |= torch.tensor([len(f) >= K for f in finished], device=dev)
         if bool(done.all()) or t == max_length:
             break
@@ -176,5 +187,3 @@ def reference_beam_search(
         hyps = sorted(finished[b], key=lambda hy: hy.score, reverse=True)[:K]
         results.append(hyps)
     return results
-
-

@@ -1,0 +1,286 @@
+"""One command for what a GPU gives: captions checked against the CPU's, captioning, image
+decoding, start-up and training timed, printed as one JSON line.
+
+    python benchmarks/gpu_report.py --device cuda --images FOLDER
+
+Needs only torch and the project (installed, as for `sat`), no network: it uses the bundled
+model, the photos in FOLDER (default: the service's example photos) and synthetic training
+batches. Parts, each also a field of the JSON line:
+
+- ``agreement``: the float32 captions on the device against the CPU's (greedy, and the model's
+  stored decoding), per photo;
+- ``captioning``: benchmarks/caption_throughput.py in float32 and bf16 at batch 32 and 128:
+  greedy, beam 3 and the encoder alone, images/s;
+- ``decoding``: the image-decoding stage alone (files to resized tensors, no model), images/s
+  on one core and in the pipeline's worker processes; on CUDA also batched
+  ``torchvision.io.decode_jpeg(device="cuda")`` of the JPEGs, for comparison;
+- ``startup``: `sat caption PHOTO` from the command to the printed caption, seconds;
+- ``training``: benchmarks/train_throughput.py (ours and the peer) in float32 and bf16 at batch
+  64 and 256, tokens/s;
+- ``sat_train``: a short `sat train` of configs/tiny.yaml on the photos (captioned by the model)
+  with ``--trainer.accelerator gpu --trainer.precision bf16-mixed`` on CUDA, seconds.
+
+``--quick`` makes every part as small as it gets (the test suite's smoke test on a CPU).
+About 5 minutes on one H100 with 120 photos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_IMAGES = ROOT / "service" / "examples"
+
+
+def run_json(cmd: list[str], timeout: float) -> dict[str, Any]:
+    """Run a benchmark from the repository root and parse its last line (one JSON object);
+    a failure is reported in the result instead of stopping the report."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def agreement(paths: list[str], device: str, limit: int) -> dict[str, Any]:
+    """How many photos get the same float32 caption on ``device`` as on the CPU."""
+    from showattendtell.inference import load_model
+
+    photos = paths[:limit]
+    cpu, dev = load_model(None, "cpu"), load_model(None, device)
+    out: dict[str, Any] = {"images": len(photos)}
+    for name, options in (("greedy", {"beam_size": 1}), ("stored", {})):
+        same = sum(
+            a.caption == b.caption
+            for a, b in zip(
+                caption_all(cpu, photos, options), caption_all(dev, photos, options), strict=True
+            )
+        )
+        out[f"same_{name}"] = same
+    return out
+
+
+def caption_all(captioner, paths: list[str], options: dict, batch: int = 32) -> list:
+    return [
+        r
+        for i in range(0, len(paths), batch)
+        for r in captioner.caption(paths[i : i + batch], **options)
+    ]
+
+
+def decoding(paths: list[str], device: str, input_size: int, workers: int) -> dict[str, Any]:
+    """The image-decoding stage alone: files to resized uint8 tensors, images/s."""
+    import torch
+
+    from showattendtell.images import load_batches, load_image
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a worker process
+    t0 = time.perf_counter()
+    for p in paths:
+        load_image(p, input_size, normalised=False)
+    out = {"one_core_images_per_s": round(len(paths) / (time.perf_counter() - t0), 1)}
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    n = sum(len(b.decoded()) for b in load_batches(paths, input_size, 32, workers))
+    out[f"{workers}_workers_images_per_s"] = round(n / (time.perf_counter() - t0), 1)
+    if device.startswith("cuda"):
+        out["nvjpeg_batched_images_per_s"] = nvjpeg_rate(paths, input_size)
+    return out
+
+
+def nvjpeg_rate(paths: list[str], input_size: int) -> float | str:
+    """Batched GPU JPEG decoding and resizing of the JPEG files (EXIF orientation not applied:
+    a measure of the decoder's rate, not a replacement of the pipeline's)."""
+    import torch
+    import torch.nn.functional as F
+    from torchvision.io import decode_jpeg
+
+    jpegs = [p for p in paths if p.lower().endswith((".jpg", ".jpeg"))]
+    if not jpegs:
+        return "no JPEG files"
+    data = [torch.frombuffer(Path(p).read_bytes(), dtype=torch.uint8) for p in jpegs]
+
+    def run() -> None:
+        for i in range(0, len(data), 64):
+            for img in decode_jpeg(data[i : i + 64], device="cuda"):
+                F.interpolate(
+                    img[None].float(),
+                    size=(input_size, input_size),
+                    mode="bilinear",
+                    antialias=True,
+                )
+        torch.cuda.synchronize()
+
+    try:
+        run()  # warm-up
+        t0 = time.perf_counter()
+        run()
+        return round(len(jpegs) / (time.perf_counter() - t0), 1)
+    except RuntimeError as e:  # a JPEG nvjpeg cannot decode (CMYK, progressive on old CUDA)
+        return f"error: {e}".splitlines()[0]
+
+
+def startup(photo: str, device: str, runs: int) -> dict[str, Any]:
+    """`sat caption PHOTO`: the command to the printed caption, seconds (median)."""
+    sat = [sys.executable, "-m", "showattendtell.cli"]
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [*sat, "caption", photo, "--device", device],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        times.append(time.perf_counter() - t0)
+        if proc.returncode != 0:
+            return {"error": proc.stderr.strip().splitlines()[-1:]}
+    return {"median_s": round(statistics.median(times), 2), "runs_s": [round(t, 2) for t in times]}
+
+
+def sat_train(paths: list[str], device: str, quick: bool) -> dict[str, Any]:
+    """A short `sat train` (configs/tiny.yaml, one epoch) on a Flickr8k-format folder of the
+    photos, each with the CPU's beam captions as its references."""
+    from showattendtell.inference import load_model
+
+    photos = paths[: 8 if quick else 64]
+    captioner = load_model(None, "cpu")
+    refs = [
+        [caption for caption, _ in r.beams] or [r.caption]
+        for r in caption_all(captioner, photos, {"beam_size": 3})
+    ]
+    with tempfile.TemporaryDirectory(prefix="gpu_report_") as tmp:
+        root = Path(tmp) / "data"
+        (root / "images").mkdir(parents=True)
+        names = []
+        for i, p in enumerate(photos):
+            names.append(f"{i:05d}{Path(p).suffix.lower()}")
+            shutil.copy(p, root / "images" / names[-1])
+        tokens = [
+            f"{n}#{k}\t{c}" for n, cs in zip(names, refs, strict=True) for k, c in enumerate(cs[:5])
+        ]
+        (root / "Flickr8k.token.txt").write_text("\n".join(tokens) + "\n")
+        split = len(names) * 3 // 4
+        (root / "Flickr_8k.trainImages.txt").write_text("\n".join(names[:split]) + "\n")
+        (root / "Flickr_8k.devImages.txt").write_text("\n".join(names[split:]) + "\n")
+        (root / "Flickr_8k.testImages.txt").write_text("")
+        gpu = device.startswith("cuda")
+        cmd = [
+            sys.executable,
+            "-m",
+            "showattendtell.cli",
+            "train",
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            "--data.root",
+            str(root),
+            "--run.dir",
+            str(Path(tmp) / "run"),
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.accelerator",
+            "gpu" if gpu else "cpu",
+            "--trainer.precision",
+            "bf16-mixed" if gpu else "32-true",
+        ]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        out: dict[str, Any] = {
+            "seconds": round(time.perf_counter() - t0, 1),
+            "images": len(photos),
+            "exit": proc.returncode,
+            "precision": "bf16-mixed" if gpu else "32-true",
+        }
+        if proc.returncode:
+            out["error"] = proc.stderr.strip().splitlines()[-3:]
+        return out
+
+
+def captioning(images: str, device: str, quick: bool) -> dict[str, Any]:
+    """benchmarks/caption_throughput.py per precision and batch size (its JSON fields)."""
+    out = {}
+    for precision in ("32",) if quick else ("32", "bf16"):
+        for batch in (4,) if quick else (32, 128):
+            cmd = f"--precision {precision} --batch-size {batch} --latency-images 2 --repeats "
+            cmd += "1 --limit 4" if quick else "3"
+            out[f"{precision}_batch{batch}"] = run_json(
+                [sys.executable, "benchmarks/caption_throughput.py", "--device",
+                 device.split(":")[0], "--images", images, *cmd.split()], 900
+            )  # fmt: skip
+    return out
+
+
+def training(device: str, quick: bool) -> dict[str, Any]:
+    """benchmarks/train_throughput.py (ours and the peer) per precision and batch size."""
+    sizes = "--grid 2 --feature-dim 16 --vocab 50 --embed-dim 8 --hidden-dim 8 "
+    sizes += "--attention-dim 8 --reps 1 --matmul-sizes 256"
+    out = {}
+    for precision in ("fp32",) if quick else ("fp32", "bf16"):
+        for batch in (4,) if quick else (64, 256):
+            cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--device", device,
+                   "--batch", str(batch), "--precision", precision]  # fmt: skip
+            out[f"{precision}_batch{batch}"] = run_json(cmd + (sizes.split() if quick else []), 900)
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu")
+    ap.add_argument("--images", default=str(DEFAULT_IMAGES), help="a folder of photos")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="every part at its smallest: a smoke test, not a measurement",
+    )
+    ap.add_argument("--agreement-images", type=int, default=120)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    import torch
+
+    from showattendtell.images import list_images
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA GPU; use --device cpu")
+    paths = [str(p) for p in list_images([args.images])]
+    if not paths:
+        raise SystemExit(f"error: no images in {args.images}; pass --images FOLDER")
+    q = args.quick
+    dev = args.device
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "images": len(paths),
+        "quick": q,
+        "agreement": agreement(paths, dev, 2 if q else args.agreement_images),
+    }
+    report["captioning"] = captioning(args.images, dev, q)
+    input_size = next(
+        (c["input_size"] for c in report["captioning"].values() if "input_size" in c), 260
+    )
+    report["decoding"] = decoding(paths[:4] if q else paths, dev, input_size, 0 if q else 8)
+    report["startup"] = startup(paths[0], dev, 1 if q else 3)
+    report["training"] = training(dev, q)
+    report["sat_train"] = sat_train(paths, dev, q)
+    print(json.dumps(report), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

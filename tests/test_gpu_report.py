@@ -1,0 +1,47 @@
+"""benchmarks/gpu_report.py, the one command for a GPU machine, runs end to end on a CPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_report_runs_every_part_on_a_cpu():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_report.py", "--device", "cpu", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["agreement"] == {"images": 2, "same_greedy": 2, "same_stored": 2}
+    for part in (*report["captioning"].values(), *report["training"].values()):
+        assert "error" not in part, part
+    assert report["captioning"]["32_batch4"]["images_per_s_beam3"] > 0
+    assert report["training"]["fp32_batch4"]["speedup_vs_peer"] > 0
+    assert report["decoding"]["one_core_images_per_s"] > 0
+    assert report["startup"]["median_s"] > 0
+    assert report["sat_train"]["exit"] == 0, report["sat_train"]
+
+
+def test_train_benchmark_asks_to_be_run_as_a_module():
+    """Its peer lives with the tests' oracles: run as a script, one clear line."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/train_throughput.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "error: run this benchmark from the repository root as "
+        "python -m benchmarks.train_throughput"
+    ]

@@ -1,0 +1,84 @@
+"""`sat caption`'s start-up imports only what captioning needs: no timm, torchvision, nltk or
+Lightning, with the same pixels and the same encoder outputs as when they were used."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from showattendtell.encoder import EFFICIENTNETS, IMAGENET_MEAN, IMAGENET_STD, lite_stages
+from showattendtell.images import normalise, resize
+
+HEAVY = ("timm", "torchvision", "nltk", "lightning", "torch._dynamo", "sympy", "gradio")
+
+
+def test_captioning_a_photo_imports_none_of_the_heavy_packages(tmp_path):
+    """The CLI, the bundled model and one caption, in a fresh interpreter."""
+    photo = tmp_path / "photo.jpg"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (90, 120, 3), dtype=np.uint8)).save(photo)
+    code = (
+        "import sys\n"
+        "import showattendtell.cli\n"
+        "from showattendtell.inference import load_model\n"
+        f"load_model(None, 'cpu').caption([{str(photo)!r}])\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_resize_and_normalise_give_torchvisions_values():
+    TF = pytest.importorskip("torchvision.transforms.v2.functional")
+    rng = np.random.default_rng(1)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for h, w in ((17, 300), (260, 260), (999, 640), (5, 5))
+    ]
+    for img in images:
+        for size in (64, 224, 260):
+            ours = resize(img, size)
+            theirs = TF.resize(TF.pil_to_tensor(img), [size, size], antialias=True)
+            assert ours.dtype == torch.uint8 and torch.equal(ours, theirs)
+            batch = torch.stack([theirs, theirs.flip(1)])
+            expected = TF.normalize(
+                TF.to_dtype(batch, torch.float32, scale=True),
+                list(IMAGENET_MEAN),
+                list(IMAGENET_STD),
+            )
+            assert torch.equal(normalise(batch), expected)
+
+
+@pytest.mark.parametrize("backbone", EFFICIENTNETS)
+def test_lite_stages_compute_timms_network_with_its_weights(backbone):
+    """Same tensor names in the same order, and the same features, BatchNorm statistics and
+    'same' padding included, at the native size and an odd one."""
+    timm = pytest.importorskip("timm")
+    net = timm.create_model(f"tf_{backbone}", pretrained=False).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1, generator=gen)
+                m.running_var.uniform_(0.5, 1.5, generator=gen)
+    theirs = [
+        torch.nn.Sequential(net.conv_stem, net.bn1),
+        *net.blocks,
+        torch.nn.Sequential(net.conv_head, net.bn2),
+    ]
+    ours = lite_stages(backbone)
+    for o, t in zip(ours, theirs, strict=True):
+        assert list(o.state_dict()) == list(t.state_dict())
+        o.load_state_dict(t.state_dict())
+    for size in (97, 260):
+        x = torch.randn(1, 3, size, size, generator=gen)
+        with torch.inference_mode():
+            y = x
+            for stage in ours:
+                y = stage.eval()(y)
+            torch.testing.assert_close(y, net.forward_features(x), atol=1e-5, rtol=1e-5)
