@@ -223,7 +223,8 @@ class Hypothesis:
     tokens: list[int]  # emitted words, without <start>/<end>
     log_prob: float  # log p(caption), <end> included when it was emitted
     score: float  # log_prob / (len ** length_penalty), what beams are ranked by
-    alphas: torch.Tensor  # (len(tokens), L): attention when each word was emitted
+    alphas: torch.Tensor  # (len(tokens), L): attention when each word was emitted (on the
+    # grids' device; on the host with the fixed strategy, copied there once per batch)
     locations: list[int] | None  # hard attention: the location chosen for each word
 
 
@@ -342,6 +343,8 @@ def greedy_decode(
     tokens, logps, alphas, locs = loop(
         decoder, state, annotations, max_length, hard_mode, allow_unk, no_repeat_ngram
     )
+    if loop is _greedy_fixed_loop:  # the maps to the host in one copy, not one per caption
+        alphas = alphas.cpu()
     lengths = (tokens != END).sum(1).tolist()  # <end> once, at the end: words before it
     token_lists, logp_list = tokens.tolist(), logps.tolist()
     loc_lists = locs.tolist() if locs is not None else None
@@ -544,6 +547,7 @@ def _beam_fixed_loop(decoder, state, annotations, K, max_length, hard_mode, allo
         decoder, state, annotations, K, max_length, hard_mode, allow_unk, ngram
     )
     p_tokens, p_logp, p_len, p_alpha, p_loc = pool
+    p_alpha = p_alpha.cpu()  # one copy of every finished caption's maps, not one per caption
     tokens, logps, lengths = p_tokens.tolist(), p_logp.tolist(), p_len.tolist()
     locs = p_loc.tolist() if p_loc is not None else None
     return [
