@@ -121,6 +121,14 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def warm_up(url: str, photo: Path) -> None:
+    """One request before the clock starts: the first batch's allocations are not the soak."""
+    from gradio_client import Client, handle_file
+
+    client = Client(url, verbose=False, httpx_kwargs={"timeout": 300})
+    client.predict(handle_file(str(photo)), api_name="/caption")
+
+
 class Soak:
     """Clients that share one list of photos, each sending the next one until all are sent."""
 
@@ -142,7 +150,9 @@ class Soak:
     def client(self) -> None:
         from gradio_client import Client, handle_file
 
-        client = Client(self.url, verbose=False)
+        # a generous HTTP timeout: a soak measures the server, not httpx's 5-second default on a
+        # machine whose cores the server keeps busy
+        client = Client(self.url, verbose=False, httpx_kwargs={"timeout": 300})
         while (photo := self.take()) is not None:
             t = time.perf_counter()
             try:
@@ -203,6 +213,7 @@ def at(samples: list[dict], answers: int) -> dict:
 def report(args: argparse.Namespace, samples: list[dict], soak: Soak) -> dict:
     n = len(soak.photos)
     half, end = at(samples, n // 2), samples[-1]
+    second = [s["rss_mb"] for s in samples if s["answers"] >= half["answers"]]
     lat = np.array(soak.latencies)
     return {
         "requests": n,
@@ -213,6 +224,8 @@ def report(args: argparse.Namespace, samples: list[dict], soak: Soak) -> dict:
         "rss_mb_at_half": half["rss_mb"],
         "rss_mb_at_end": end["rss_mb"],
         "rss_growth_second_half_mb": round(end["rss_mb"] - half["rss_mb"], 1),
+        "rss_mb_max_second_half": max(second),
+        "rss_mb_max_minus_half": round(max(second) - half["rss_mb"], 1),
         "cache_mb_max": max(s["cache_mb"] for s in samples),
         "cache_files_max": max(s["cache_files"] for s in samples),
         "cache_mb_at_end": end["cache_mb"],
@@ -249,7 +262,9 @@ def main() -> None:
         port = free_port()
         proc = start_server(port, work / "cache", args.serve_args)
         try:
-            soak = Soak(f"http://127.0.0.1:{port}/", photos, args.clients)
+            url = f"http://127.0.0.1:{port}/"
+            warm_up(url, photos[0])
+            soak = Soak(url, photos, args.clients)
             threads = soak.start()
             samples = watch(soak, proc.pid, work / "cache", args.every)
             for t in threads:

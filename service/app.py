@@ -179,7 +179,7 @@ def layout(service: CaptionService, examples: Sequence[Path], session_ttl_s: flo
         elem_id="caption-sheet",
     )
     out["beams"] = gr.Dataframe(
-        headers=["rank", "caption", "score"],
+        headers=events.BEAM_COLUMNS,
         label="Top beam captions",
         interactive=False,
         elem_id="beams",

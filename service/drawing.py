@@ -136,8 +136,8 @@ def scale_note(state: dict[str, Any], i: int, scale: str, vmax: float) -> str:
     note = (
         f"Colour scale: 0 (photo shows through) to **{weight_label(vmax)}** (dark red) = "
         f"{whose}. Each word's weights sum to 1 over the {g}x{g} grid, so uniform "
-        f"attention would be 1/{cells} = {weight_label(1 / cells)} on every cell; this "
-        f"word's largest weight is {weight_label(top)}."
+        f"attention would be 1/{cells} = {weight_label(1 / cells)} on every cell; the "
+        f"largest weight of “{state['words'][i]}” is {weight_label(top)}."
     )
     if is_flat(state["attention"][i]):
         note += (

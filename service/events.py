@@ -37,17 +37,28 @@ OUTPUTS = (
     "beams",
 )
 UIOutputs = tuple[Any, ...]
-EMPTY: UIOutputs = (
-    gr.update(value="", visible=False),
-    "",
-    None,
-    [],
-    gr.update(choices=[], value=None),
-    None,
-    "",
-    None,
-    gr.update(value=[], label="Top beam captions"),
-)  # everything after the status line, cleared
+BEAM_COLUMNS = ["rank", "caption", "consensus", "score"]  # fixed: the page keeps one table
+
+
+def no_beams() -> Any:
+    """The beam table emptied (same columns, no rows)."""
+    return gr.update(value=pd.DataFrame(columns=BEAM_COLUMNS), label="Top beam captions")
+
+
+def cleared() -> UIOutputs:
+    """Everything after the status line, cleared: made anew for every event, since Gradio
+    consumes the update dicts it is given (it pops their values)."""
+    return (
+        gr.update(value="", visible=False),
+        "",
+        None,
+        [],
+        gr.update(choices=[], value=None),
+        None,
+        "",
+        None,
+        no_beams(),
+    )
 
 
 def status_text(done: Captioned) -> str:
@@ -91,24 +102,20 @@ def warning_update(done: Captioned) -> Any:
 
 def beam_table(done: Captioned) -> Any:
     """The beams in the order that chose the caption (the caption first), with the score that
-    decided it and a label that says which one that is."""
+    decided it and a label that says which one that is (consensus: empty without reranking)."""
     rows = done.beam_rows()
     penalty = done.decoding.length_penalty
     score = "log p / length^" + f"{penalty:g}" if penalty else "log p"
+    frame = pd.DataFrame(
+        [[i + 1, b["caption"], b.get("consensus", ""), b["score"]] for i, b in enumerate(rows)],
+        columns=BEAM_COLUMNS,
+    )
     if done.consensus is not None:
-        frame = pd.DataFrame(
-            [[i + 1, b["caption"], b["consensus"], b["score"]] for i, b in enumerate(rows)],
-            columns=["rank", "caption", "consensus (decided)", f"score ({score})"],
-        )
         label = (
-            "Top beam captions, ranked by consensus reranking: agreement (CIDEr-D) with the "
-            "captions of the most similar training photos decided, not the score"
+            "Top beam captions, ranked by consensus reranking: their agreement (CIDEr-D) with the "
+            f"captions of the most similar training photos decided, not their score ({score})"
         )
     else:
-        frame = pd.DataFrame(
-            [[i + 1, b["caption"], b["score"]] for i, b in enumerate(rows)],
-            columns=["rank", "caption", f"score ({score}, decided)"],
-        )
         label = f"Top beam captions, ranked by score ({score}: higher is more likely)"
     return gr.update(value=frame, label=label)
 
@@ -125,14 +132,14 @@ def ui_caption(
     message (and one toast) and clears the previous photo's outputs; never an exception, so the
     page stays usable."""
     if image is None:
-        return (PROMPT, *EMPTY)
+        return (PROMPT, *cleared())
     try:
         captioner = service.get(model)
         done = caption_image(service, image, model, **options.applicable(captioner, decoding))
     except UserError as e:
         gr.Warning(str(e), duration=TOAST_SECONDS)
         what = "this file" if isinstance(e, ImageError) else "the image"
-        return (f"**Cannot caption {what}:** {e}", *EMPTY)
+        return (f"**Cannot caption {what}:** {e}", *cleared())
     r = done.result
     state = {
         "image": drawing.resized(done.image, VIEW_SIZE),
@@ -162,7 +169,7 @@ def clear_outputs(image: Any) -> UIOutputs:
     """The image was removed, or Gradio refused the upload (over the size limit): clear the
     previous photo's outputs. A new image leaves them to the caption event."""
     if image is None:
-        return (PROMPT, *EMPTY)
+        return (PROMPT, *cleared())
     return tuple(gr.skip() for _ in OUTPUTS)
 
 
@@ -173,7 +180,7 @@ def refused_upload(message: str | None = None) -> UIOutputs:
     reason = (message or "").strip() or "the file is not an image"
     return (
         f"**Cannot caption this file:** {reason} ({REFUSED}; the photo shown is the previous one).",
-        *EMPTY,
+        *cleared(),
     )
 
 
