@@ -246,7 +246,7 @@ def _shapes_with_a_person(n: int, seed: int):
     return feats, images, PersonMasks(ids, coverage, {"format": 1}), red
 
 
-def _attention_on_the_person(weight: float, attention: str = "soft", epochs: int = 6) -> float:
+def _attention_on_the_person(weight: float, attention: str = "soft", epochs: int = 12) -> float:
     torch.manual_seed(0)
     feats, images, masks, _ = _shapes_with_a_person(512, seed=0)
     vocab = Vocabulary.build([im.captions[0] for im in images], min_count=1)
