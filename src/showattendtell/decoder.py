@@ -11,11 +11,12 @@ reads the mean annotation instead of z_t, [i f o g] = W [E y_{t-1}; h_{t-1}; mea
 and z_t attends from the new h_t, so it reaches only the output layer (and the word it helps
 predict has already been fed in as y_{t-1}).
 
-Fast path (issue #7): what does not change per word is computed once per caption or once per
-batch: W_a a (attention.project_annotations), the embedding part of the LSTM gates for all steps,
-and the deep output + vocabulary projection for all tokens after the recurrence. The recurrent
-matmul, U_a h and f_beta h are one fused matmul, and rows whose caption has ended are dropped
-(captions are sorted by length, as in pack_padded_sequence).
+Fast path: what does not change per word is computed once per caption or once per batch: W_a a
+(attention.project_annotations), the embedding part of the LSTM gates for all steps, and the deep
+output + vocabulary projection for all tokens after the recurrence. The recurrent matmul, U_a h
+and f_beta h are one fused matmul. On a CPU rows whose caption has ended are dropped (captions
+sorted by length, as in pack_padded_sequence); on a GPU every row runs every step with a loss
+mask (Decoder.forward's ``fixed_shape``).
 """
 
 from __future__ import annotations
