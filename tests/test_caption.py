@@ -19,7 +19,7 @@ from PIL import Image
 
 from showattendtell.caption_output import scan_output
 from showattendtell.cli import main
-from showattendtell.commands.caption import overlay_name
+from showattendtell.commands.caption import overlay_names
 
 pytestmark = needs_coco_subset
 
@@ -128,7 +128,7 @@ def test_csv_attention_and_overlays(tiny_model_file, tmp_path, monkeypatch, caps
         assert float(r["score"]) <= 0 and r["error"] == ""
     assert rows[3]["caption"] == rows[3]["score"] == "" and rows[3]["error"]
     sheets = sorted(p.name for p in (tmp_path / "sheets").iterdir())
-    assert sheets == sorted(overlay_name(a) for a in args[:3])
+    assert sheets == sorted(f"{a}.png" for a in args[:3])
     for name in sheets:
         with Image.open(tmp_path / "sheets" / name) as im:
             assert im.format == "PNG" and im.width >= 200 and im.height >= 200
@@ -313,3 +313,131 @@ def test_a_second_process_on_the_same_output_is_refused(tiny_model_file, tmp_pat
             os.killpg(proc.pid, signal.SIGKILL)
     paths = [r["path"] for r in read_jsonl(out)]
     assert sorted(paths) == sorted(f"few/{p.name}" for p in photos(8))
+
+
+@pytest.mark.slow
+def test_sigterm_says_how_to_resume(tiny_model_file, tmp_path, monkeypatch):
+    """`kill PID` (a scheduler's preemption) stops the run as Ctrl-C does, exit 143, and the
+    printed command finishes it; --overwrite is left out of it (it would start again)."""
+    import shlex
+
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for p in photos(12):
+        shutil.copy(p, folder / p.name)
+    out = tmp_path / "out.jsonl"
+    out.write_text("old results\n")
+    args = ["many", "-o", "out.jsonl", "--overwrite", "--model", str(tiny_model_file),
+            "--workers", "1", "--batch-size", "1", "--beam-size", "1", "--overlays", "sheets"]
+    proc = _start(args, tmp_path)
+    try:
+        _wait_for_lines(out, 3, proc)
+        os.kill(proc.pid, signal.SIGTERM)  # the process only, as `kill PID` does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert "interrupted with" in err and "Traceback" not in err
+    command = err.split("resume with:\n", 1)[1].strip().splitlines()[0]
+    argv = shlex.split(command)
+    assert argv[:2] == ["sat", "caption"] and argv[-1] == "--resume"
+    assert "--overwrite" not in argv
+    first = read_jsonl(out)
+    assert 3 <= len(first) < 12
+    monkeypatch.chdir(tmp_path)
+    assert main(argv[1:]) == 0
+    paths = [r["path"] for r in read_jsonl(out)]
+    assert paths[: len(first)] == [r["path"] for r in first]
+    assert sorted(paths) == sorted(f"many/{p.name}" for p in photos(12))
+
+
+def test_paths_from_standard_input_and_urls(tiny_model_file, tmp_path, monkeypatch, capsys):
+    """`-` reads paths, one per line; a listed file that is gone gets an error record (a typed
+    one is a usage error); a web address is refused in one line before any work."""
+    import io
+
+    monkeypatch.chdir(tmp_path)
+    names = []
+    for p in photos(2):
+        shutil.copy(p, tmp_path / p.name)
+        names.append(p.name)
+    listed = f"{names[0]}\n\n{names[1]}\r\ngone.jpg\n".encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(listed)))
+    model = ["--model", str(tiny_model_file), "--workers", "0", "--beam-size", "1"]
+    assert main(["caption", "-", "-o", "out.jsonl", *model]) == 1
+    records = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["path"] for r in records] == [*names, "gone.jpg"]
+    assert records[2]["error"] == "no such file"
+    capsys.readouterr()
+    for url in ("https://example.com/dog.jpg", "http://example.com/a.png"):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(url.encode())))
+        for argv in ([url], ["-"]):
+            assert main(["caption", *argv, *model]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err == (f"error: {url} is a web address: download it first (e.g. curl -O "
+                           "URL), then caption the file")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    assert main(["caption", "-", *model]) == 2
+    assert "no image paths on standard input" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_file_names_that_are_not_utf8(fmt, tiny_model_file, tmp_path, monkeypatch, capsys):
+    """Linux file names are bytes: one that is not UTF-8 is recorded in the escaped form
+    (each such byte as the text \\xNN), so the output stays UTF-8 and strict JSON, and
+    --resume recognises it (nothing captioned twice)."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    raw = b"caf\xe9 \xff.jpg"
+    shutil.copy(photos(1)[0], folder / os.fsdecode(raw))
+    assert raw in os.listdir(os.fsencode(folder))
+    shutil.copy(photos(2)[1], folder / "plain.jpg")
+    out = f"out.{fmt}"
+    model = ["--model", str(tiny_model_file), "--workers", "0", "--beam-size", "1"]
+    assert main(["caption", "photos", "-o", out, *model]) == 0
+    text = (tmp_path / out).read_bytes().decode("utf-8")  # strict: valid UTF-8
+    if fmt == "jsonl":
+        rows = [json.loads(line) for line in text.splitlines()]
+    else:
+        rows = list(csv.DictReader(text.splitlines()))
+    assert sorted(r["path"] for r in rows) == ["photos/caf\\xe9 \\xff.jpg", "photos/plain.jpg"]
+    assert all(r["caption"] for r in rows)
+    capsys.readouterr()
+    assert main(["caption", "photos", "-o", out, "--resume", *model]) == 0
+    assert "nothing to do: all 2 images" in capsys.readouterr().err
+    assert main(["caption", "photos", *model, "--format", fmt]) == 0  # standard output too
+    out_text = capsys.readouterr().out
+    assert "caf\\\\xe9 \\\\xff.jpg" in out_text or "caf\\xe9 \\xff.jpg" in out_text
+
+
+def test_a_folder_of_phone_photos_and_other_files(tiny_model_file, tmp_path, monkeypatch,
+                                                  capsys):
+    """HEIC photos are captioned like JPEGs; the files a folder scan leaves out are counted."""
+    pillow_heif = pytest.importorskip("pillow_heif")
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "phone"
+    folder.mkdir()
+    src = photos(2)
+    shutil.copy(src[0], folder / "a.jpg")
+    with Image.open(src[1]) as im:
+        pillow_heif.from_pillow(im.convert("RGB")).save(folder / "b.heic", quality=90)
+    (folder / "notes.txt").write_text("not a photo\n")
+    (folder / "scan.pdf").write_bytes(b"%PDF-1.4\n")
+    assert main(["caption", "phone", "-o", "out.jsonl", "--model", str(tiny_model_file),
+                 "--workers", "0", "--beam-size", "1"]) == 0
+    records = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["path"] for r in records] == ["phone/a.jpg", "phone/b.heic"]
+    assert all(r["caption"] and "error" not in r for r in records)
+    err = capsys.readouterr().err
+    assert "warning: phone: skipped 2 files not named as images (.pdf: 1, .txt: 1)" in err
+
+
+def test_sheets_are_named_after_the_file():
+    """Folders are added only where file names clash (also by case only)."""
+    names = overlay_names(["/home/me/work/photos/x.jpg", "2023/a.jpg", "2024/a.jpg",
+                           "trip/2023/b.jpg", "home/2023/b.jpg", "c.jpg", "C.JPG", "./c.jpg"])
+    assert list(names.values()) == ["x.jpg.png", "2023__a.jpg.png", "2024__a.jpg.png",
+                                    "trip__2023__b.jpg.png", "home__2023__b.jpg.png",
+                                    "c.jpg.png", "C.JPG-2.png", "c.jpg-3.png"]

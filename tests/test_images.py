@@ -231,3 +231,33 @@ def test_workers_send_uint8_and_normalising_the_batch_gives_preprocess_values(tm
     assert batch.tensors.dtype == torch.uint8 and batch.tensors.shape == (3, 3, 64, 64)
     want = torch.stack([preprocess(open_image(p), 64) for p in paths])
     assert torch.equal(normalise(batch.tensors), want)
+
+
+def test_heic_photos_are_read(tmp_path):
+    """HEIC, what phones write, read through pillow-heif (the file made by pillow-heif
+    itself, as an encoder of the format); and found in folder scans."""
+    pillow_heif = pytest.importorskip("pillow_heif")
+    rng = np.random.default_rng(0)
+    pixels = np.zeros((96, 128, 3), np.uint8)
+    pixels[:, :64] = (220, 30, 30)
+    pixels[:, 64:] = (30, 30, 220)
+    pixels += rng.integers(0, 5, pixels.shape, dtype=np.uint8)
+    for name in ("phone.heic", "other.HEIF"):  # written by pillow-heif's own encoder
+        pillow_heif.from_pillow(Image.fromarray(pixels)).save(tmp_path / name, quality=90)
+    for name in ("phone.heic", "other.HEIF"):
+        img = open_image(tmp_path / name)
+        assert img.mode == "RGB" and img.size == (128, 96)
+        a = np.asarray(img).astype(int)
+        assert a[:, :50, 0].mean() > 180 and a[:, 80:, 2].mean() > 180  # red left, blue right
+    assert open_image((tmp_path / "phone.heic").read_bytes()).size == (128, 96)  # uploads
+
+
+def test_folder_scans_count_what_they_skip(tmp_path):
+    from collections import Counter
+
+    for name in ("a.jpg", "b.heic", "notes.txt", "scan.pdf", "more.txt", "README", ".DS_Store"):
+        (tmp_path / name).write_bytes(b"x")
+    skipped: Counter[str] = Counter()
+    found = list_images([tmp_path], skipped=skipped)
+    assert [p.name for p in found] == ["a.jpg", "b.heic"]
+    assert skipped == {".txt": 2, ".pdf": 1, "": 1}  # hidden files are not counted

@@ -9,6 +9,7 @@ from showattendtell.inference import CaptionResult
 from showattendtell.overlay import (
     caption_sheet,
     colour_bar,
+    labelled_colour_bar,
     overlay_attention,
     upsample_attention,
     word_panels,
@@ -54,3 +55,37 @@ def test_colour_bar_runs_from_high_at_the_top_to_low():
     bar = np.asarray(colour_bar(50, 10)).astype(int)
     assert bar.shape == (50, 10, 3)
     assert bar[0, 0, 0] > bar[0, 0, 2] and bar[-1, 0, 2] > bar[-1, 0, 0]  # red top, blue bottom
+
+
+def test_a_panorama_gets_panels_one_can_see():
+    """20000x500: panels keep a readable height (a third of their width at least), not 5 px."""
+    image = Image.new("RGB", (20000, 500), (20, 120, 200))
+    panels = word_panels(image, result(), size=200)
+    assert all(p.size == (200, 66) for p in panels)
+    tall = word_panels(Image.new("RGB", (300, 12000)), result(), size=200)
+    assert all(p.size == (66, 200) for p in tall)
+    sheet = caption_sheet(image, result())
+    assert sheet.height >= 66 + 26 + 40  # a row of panels under the photo and caption
+
+
+def test_the_colour_bar_is_labelled_with_weights():
+    """As in the web UI: the largest weight at the top, 0 at the bottom, and a tick at the
+    uniform weight 1/L."""
+    bar = np.asarray(labelled_colour_bar(300, vmax=0.5, cells=9).convert("L")).astype(int)
+    labels = bar[:, 20:]
+    assert (labels[:14] < 100).any() and (labels[-14:] < 100).any()  # "0.500" and "0"
+    y = round((1 - (1 / 9) / 0.5) * 299)
+    assert (bar[y - 1:y + 2, :14] < 30).any(axis=0).all()  # the tick across the bar
+    assert (labels[y - 10:y + 10] < 100).any()  # "uniform 1/9" beside it
+    plain = np.asarray(labelled_colour_bar(300, vmax=0.05, cells=9).convert("L")).astype(int)
+    assert not (plain[100:250, 20:] < 100).any()  # 1/9 is above this scale: no tick, no label
+
+
+def test_a_sheet_draws_every_word_on_one_scale():
+    """A near-uniform word next to a focused one stays pale on the caption's scale."""
+    image = Image.new("RGB", (200, 200), (128, 128, 128))
+    r = result(("a", "dog"), g=3)
+    r.attention[0] = np.full((3, 3), 1 / 9, np.float32)  # "a": no focus
+    panels = word_panels(image, r, size=90, vmax=float(np.max(r.attention)))
+    flat, focused = (np.asarray(p).astype(int) for p in panels)
+    assert np.abs(flat - 128).max() < np.abs(focused - 128).max() / 2

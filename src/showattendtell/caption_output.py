@@ -40,10 +40,32 @@ class OutputError(UsageError):
     """The output file cannot be written or resumed; the message says what to do."""
 
 
+def printable_path(text: str) -> str:
+    """A file name (or a message holding one) as it goes into an output: valid Unicode, so that
+    every JSON Lines and CSV file is UTF-8 and strict JSON. A name whose bytes are not UTF-8
+    (Linux allows any bytes; Python holds them as surrogate escapes, os.fsdecode) has each such
+    byte written as the four characters ``\\xNN``, as Python's ``backslashreplace`` does:
+    the file b"caf\\xe9.jpg" is recorded as ``caf\\xe9.jpg`` (in JSON: "caf\\\\xe9.jpg").
+    ``--resume`` compares paths in this form."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte: \udXXX
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def record_dict(rec: Record, with_attention: bool) -> dict:
     if rec.result is None:
-        return {"path": rec.path, "error": rec.error}
-    return {"path": rec.path, **rec.result.to_dict(with_attention)}
+        error = rec.error if rec.error is None else printable_path(rec.error)
+        return {"path": printable_path(rec.path), "error": error}
+    d = {"path": printable_path(rec.path), **rec.result.to_dict(with_attention)}
+    if d.get("warning"):
+        d["warning"] = printable_path(d["warning"])
+    return d
 
 
 def csv_fields(with_attention: bool) -> tuple[str, ...]:
@@ -79,7 +101,7 @@ class Writer:
             self.write_line(_csv_line(list(self.fields)))
 
     def write_line(self, line: str) -> None:
-        data = line.encode("utf-8", "surrogateescape")  # undecodable file names round-trip
+        data = line.encode("utf-8", "backslashreplace")  # always UTF-8 (see printable_path)
         if self.stream is None:  # standard output: looked up now (a progress bar may wrap it)
             sys.stdout.write(line)
             sys.stdout.flush()

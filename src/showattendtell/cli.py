@@ -7,7 +7,7 @@ import logging
 import sys
 
 from showattendtell.commands import caption, data, evaluate, export, models
-from showattendtell.errors import UserError
+from showattendtell.errors import Terminated, UserError
 from showattendtell.service import serve
 
 # Modules that add subcommands with ``add_parser(sub)``; `sat train` and `sat features` hand
@@ -69,13 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             return (train.train if argv[0] == "train" else train.extract_features)(argv[1:])
         logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
         args = build_parser().parse_args(argv)
+        args.command_line = list(argv)  # e.g. for the --resume command an interrupted run prints
         return args.func(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("interrupted", file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, Terminated) else 130
 
 
 if __name__ == "__main__":

@@ -16,3 +16,15 @@ class UsageError(UserError):
     that cannot be written or resumed): exit status 2, before any work is lost."""
 
     exit_code = 2
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill PID``, a scheduler's preemption) raised where the program is, so that a
+    command stops as on Ctrl-C, keeping what it wrote and saying how to go on; exit 143
+    (128 + SIGTERM) instead of Ctrl-C's 130. A KeyboardInterrupt, so that every place that
+    already stops cleanly on Ctrl-C (DataLoader workers included) does so here too."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    """A SIGTERM handler (``signal.signal(signal.SIGTERM, raise_terminated)``)."""
+    raise Terminated()

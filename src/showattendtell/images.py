@@ -7,6 +7,7 @@ import io
 import itertools
 import os
 import platform
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,24 @@ from torch.utils.data import DataLoader, Dataset
 from showattendtell.encoder import IMAGENET_MEAN, IMAGENET_STD
 from showattendtell.errors import UserError
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".heic",
+                  ".heif", ".avif")
+HEIF_SUFFIXES = (".heic", ".heif")  # what phones write; decoded by pillow-heif's PIL opener
+
+
+def _register_heif() -> bool:
+    """Let PIL open HEIC/HEIF (pillow-heif, a dependency). Done when this module is imported,
+    so in every process that decodes images (DataLoader workers, the web service). False where
+    the wheel is missing: such photos then get a one-line error saying what to install."""
+    try:
+        import pillow_heif
+    except ImportError:
+        return False
+    pillow_heif.register_heif_opener()
+    return True
+
+
+HEIF_SUPPORTED = _register_heif()
 MAX_PIXELS = 64_000_000  # 8000x8000; larger files are refused before they are decoded
 MIN_SIDE = 32  # smaller photos are captioned, with a warning: there is almost nothing to see
 MAX_ASPECT = 8.0  # the square resize squashes wider (or taller) photos beyond recognition
@@ -60,6 +78,9 @@ def open_image(
         try:
             img = Image.open(fp)
         except UnidentifiedImageError:
+            if not HEIF_SUPPORTED and str(source).lower().endswith(HEIF_SUFFIXES):
+                raise ImageError(f"{name}: HEIC/HEIF is not supported without pillow-heif "
+                                 "(pip install pillow-heif)") from None
             raise ImageError(f"{name}: not an image file (or a format we cannot read)") from None
         except Image.DecompressionBombError:
             raise ImageError(f"{name}: the image is too large (over {max_pixels:,} pixels); "
@@ -155,12 +176,15 @@ def normalise(x: torch.Tensor) -> torch.Tensor:
     return x.sub(mean).div_(std)  # as torchvision's normalize
 
 
-def list_images(paths: list[str | Path], recursive: bool = False) -> list[Path]:
+def list_images(paths: list[str | Path], recursive: bool = False,
+                skipped: Counter[str] | None = None) -> list[Path]:
     """Image files named directly, or found in folders (sorted), by suffix.
 
     ``recursive`` follows symbolic links to folders, each real folder once (a link back to a
     parent is not a loop). Written with os.walk because Path.rglob follows no folder links
-    before Python 3.13.
+    before Python 3.13. ``skipped``, when given, counts the files of the folders that are left
+    out, by suffix ("" for none), so that a caller can say what a scan did not caption;
+    hidden files (.DS_Store, ._photo.jpg) are left out without being counted.
     """
     found: list[Path] = []
     for p in map(Path, paths):
@@ -180,6 +204,10 @@ def list_images(paths: list[str | Path], recursive: bool = False) -> list[Path]:
                 dirs.sort()  # the first path to a folder reached twice names it, always the same
                 files += [Path(top, n) for n in names if Path(top, n).is_file()]
         found += sorted(f for f in files if f.suffix.lower() in IMAGE_SUFFIXES)
+        if skipped is not None:
+            skipped.update(f.suffix.lower() for f in files
+                           if f.suffix.lower() not in IMAGE_SUFFIXES
+                           and not f.name.startswith("."))
     return found
 
 

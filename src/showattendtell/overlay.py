@@ -70,14 +70,50 @@ def colour_bar(height: int, width: int = 14) -> Image.Image:
     return Image.fromarray(colorize(ramp))
 
 
+def weight_label(x: float) -> str:
+    """An attention weight as the colour bars label it (the web UI's form)."""
+    return f"{x:.3f}" if x >= 0.001 else f"{x:.1e}"
+
+
+LABELLED_BAR_WIDTH = 14 + 6 + 92  # the bar, a gap, its labels
+
+
+def labelled_colour_bar(height: int, vmax: float, cells: int) -> Image.Image:
+    """The colour scale with its numbers, as the web UI labels it: ``vmax`` at the top, 0 at
+    the bottom, and a tick at the uniform weight 1/cells (attention spread evenly over the
+    grid) when it lies within the scale: colour near that tick means no focus at all."""
+    bar_w, gap = 14, 6
+    out = Image.new("RGB", (LABELLED_BAR_WIDTH, height), "white")
+    out.paste(colour_bar(height, bar_w), (0, 0))
+    draw = ImageDraw.Draw(out)
+    font, black, x = label_font(12), (0, 0, 0), bar_w + gap
+    draw.text((x, 0), weight_label(vmax), fill=black, font=font)
+    draw.text((x, height - 14), "0", fill=black, font=font)
+    uniform = 1.0 / max(cells, 1)
+    if uniform <= vmax and height >= 60:
+        y = round((1 - uniform / vmax) * (height - 1))
+        draw.line([(0, y), (bar_w + 2, y)], fill=black, width=2)
+        ty = min(max(y - 7, 16), height - 30)  # clear of the top and bottom labels
+        draw.text((x, ty), f"uniform 1/{cells}", fill=black, font=font)
+    return out
+
+
+def panel_size(width: int, height: int, size: int) -> tuple[int, int]:
+    """A word panel's size: the photo with its longer side ``size``, but the shorter side never
+    under a third of it. A 20000x500 panorama gives 200x66 panels (squashed, as the model sees
+    every photo squashed to a square), not 200x5 strips in which nothing can be seen."""
+    scale = size / max(width, height, 1)
+    w, h = max(1, round(width * scale)), max(1, round(height * scale))
+    least = max(1, size // 3)
+    return max(w, least), max(h, least)
+
+
 def word_panels(image: Image.Image, result: CaptionResult, size: int = 224,
                 vmax: float | None = None) -> list[Image.Image]:
-    """One overlay per word, resized so that the longer side is ``size`` (vmax: see
-    overlay_attention)."""
+    """One overlay per word, resized so that the longer side is ``size`` (``panel_size``;
+    vmax: see overlay_attention)."""
     image = image.convert("RGB")
-    scale = size / max(image.size)
-    small = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
-                         Image.Resampling.BICUBIC)
+    small = image.resize(panel_size(image.width, image.height, size), Image.Resampling.BICUBIC)
     locs = result.locations or [None] * len(result.words)
     return [overlay_attention(small, grid, loc, vmax=vmax)
             for grid, loc in zip(result.attention, locs, strict=True)]
@@ -89,9 +125,14 @@ SHEET_SOURCE_SIZE = 5 * (200 + 8)  # the widest a caption sheet shows the photo 
 
 def caption_sheet(image: Image.Image, result: CaptionResult, panel: int = 200,
                   columns: int = 5) -> Image.Image:
-    """The image and its caption on top, then a grid of word panels labelled with each word."""
+    """The image and its caption on top, then a grid of word panels labelled with each word and
+    its largest weight. One colour scale for the whole caption (0 to the largest weight of any
+    word), labelled on the bar with that weight and the uniform level: a word whose attention
+    is spread evenly stays pale instead of being stretched to look as focused as any other."""
     image = image.convert("RGB")
-    panels = word_panels(image, result, panel)
+    maxima = [float(np.max(a)) for a in result.attention]
+    vmax = max(maxima, default=1.0)
+    panels = word_panels(image, result, panel, vmax=vmax)
     pw = max([p.width for p in panels], default=panel)
     ph = max([p.height for p in panels], default=panel)
     label_h, pad = 26, 8
@@ -100,7 +141,7 @@ def caption_sheet(image: Image.Image, result: CaptionResult, panel: int = 200,
     top_scale = min(1.0, (cols * (pw + pad)) / max(image.width, 1), 360 / max(image.height, 1))
     top = image.resize((max(1, round(image.width * top_scale)),
                         max(1, round(image.height * top_scale))))
-    width = max(cols * (pw + pad) + pad + 30, top.width + 2 * pad)
+    width = max(cols * (pw + pad) + pad + LABELLED_BAR_WIDTH + pad, top.width + 2 * pad)
     cap_h = 40
     height = pad + top.height + cap_h + rows * (ph + label_h + pad) + pad
     sheet = Image.new("RGB", (width, height), (255, 255, 255))
@@ -112,9 +153,11 @@ def caption_sheet(image: Image.Image, result: CaptionResult, panel: int = 200,
     for i, (p, word) in enumerate(zip(panels, result.words, strict=True)):
         r, c = divmod(i, cols)
         x, y = pad + c * (pw + pad), y0 + r * (ph + label_h + pad)
-        draw.text((x, y), word, fill=(0, 0, 0), font=label_font(16))
+        draw.text((x, y), f"{word}  {weight_label(maxima[i])}", fill=(0, 0, 0),
+                  font=label_font(16))
         sheet.paste(p, (x, y + label_h))
     if panels:
-        bar = colour_bar(rows * (ph + label_h + pad) - pad)
-        sheet.paste(bar, (width - 22, y0))
+        cells = int(np.asarray(result.attention[0]).size)
+        bar = labelled_colour_bar(rows * (ph + label_h + pad) - pad, vmax, cells)
+        sheet.paste(bar, (width - LABELLED_BAR_WIDTH - pad, y0))
     return sheet

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
+import signal
 import sys
+import threading
+from collections import Counter
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -26,6 +31,7 @@ from showattendtell.caption_output import (
     check_new_output,
     open_output,
     prepare_folder,
+    printable_path,
     scan_output,
 )
 from showattendtell.cli_common import (
@@ -34,7 +40,7 @@ from showattendtell.cli_common import (
     add_model_arg,
     decoding_overrides,
 )
-from showattendtell.errors import UsageError, UserError
+from showattendtell.errors import Terminated, UsageError, UserError, raise_terminated
 from showattendtell.pipeline import DEFAULT_BATCH_SIZE, Record, default_workers
 
 if TYPE_CHECKING:
@@ -45,11 +51,15 @@ if TYPE_CHECKING:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "caption", help="caption image files and folders (JSON Lines or CSV)",
-        description="Caption images (JPEG, PNG, WebP, BMP, GIF, TIFF) and folders of images. "
+        description="Caption images (JPEG, PNG, WebP, BMP, GIF, TIFF, HEIC/HEIF, AVIF) and "
+                    "folders of images (other files in them are counted and skipped). "
                     "Writes one JSON object (or CSV row) per image; unreadable files get an "
                     "error record and never stop the run. Exit status: 0 all captioned, "
                     "1 some failed, 2 usage error.")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="image files and/or folders")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="image files and/or folders; - reads more paths from standard input, "
+                        "one per line (e.g. find photos -name '*.jpg' | sat caption - -o "
+                        "out.jsonl)")
     p.add_argument("-r", "--recursive", action="store_true", help="look into sub-folders too")
     p.add_argument("-o", "--output", default=None,
                    help="file to write (default: standard output)")
@@ -92,19 +102,49 @@ def add_parser(sub) -> None:
 # --------------------------------------------------------------------------- overlays
 
 
-def overlay_name(path: str) -> str:
-    """A unique, flat PNG name for an input path: 'photos/a.jpg' -> 'photos__a.jpg.png'."""
-    parts = [p for p in Path(path).parts if p not in ("/", ".", "..") and not p.endswith(":\\")]
-    return "__".join(parts) + ".png"
+def overlay_names(paths: list[str]) -> dict[str, str]:
+    """A flat PNG name for each input path, after the file: 'photos/a.jpg' -> 'a.jpg.png'.
+    Where two inputs share a file name, their folders are added until the names differ
+    ('2023/a.jpg' -> '2023__a.jpg.png', '2024/a.jpg' -> '2024__a.jpg.png'); compared without
+    case, for file systems that ignore it; names still alike get -2, -3. The same inputs give
+    the same names, so a resumed run writes the sheets the first one would have."""
+    parts = {}
+    for path in paths:
+        kept = [p for p in Path(path).parts if p not in ("/", ".", "..")
+                and not p.endswith(":\\")]
+        parts[path] = kept or ["image"]
+    depth = dict.fromkeys(paths, 1)
+    while True:
+        names = {p: "__".join(parts[p][-depth[p]:]) for p in paths}
+        groups: dict[str, list[str]] = {}
+        for p, name in names.items():
+            groups.setdefault(name.lower(), []).append(p)
+        grew = False
+        for group in groups.values():
+            for p in group if len(group) > 1 else ():
+                if depth[p] < len(parts[p]):
+                    depth[p] += 1
+                    grew = True
+        if not grew:
+            break
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for p in paths:
+        name, k = names[p], 2
+        while name.lower() in used:
+            name, k = f"{names[p]}-{k}", k + 1
+        used.add(name.lower())
+        out[p] = name + ".png"
+    return out
 
 
-def write_overlay(directory: Path, rec: Record) -> None:
+def write_overlay(path: Path, rec: Record) -> None:
     from showattendtell.images import open_image
     from showattendtell.overlay import SHEET_SOURCE_SIZE, caption_sheet
 
     assert rec.result is not None  # a 12-megapixel JPEG decodes at half size: 4x fewer pixels
     photo = open_image(rec.path, min_size=SHEET_SOURCE_SIZE)
-    caption_sheet(photo, rec.result).save(directory / overlay_name(rec.path))
+    caption_sheet(photo, rec.result).save(path)
 
 
 # --------------------------------------------------------------------------- the command
@@ -119,18 +159,68 @@ def _format(args: argparse.Namespace) -> str:
     return fmt
 
 
+URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+
+
+def _stdin_paths() -> list[str]:
+    """The paths listed on standard input, one per line (blank lines skipped). Read as bytes
+    and decoded as the file system does (os.fsdecode), so a name that is not UTF-8 names its
+    file as it would on the command line."""
+    if sys.stdin is None:
+        raise UsageError("- reads image paths from standard input, but there is none")
+    if sys.stdin.isatty():
+        print("reading image paths from standard input, one per line; end with Ctrl-D",
+              file=sys.stderr)
+    data = sys.stdin.buffer.read()
+    return [os.fsdecode(line.rstrip(b"\r")) for line in data.split(b"\n") if line.strip()]
+
+
+def _count_files(counts: Counter[str]) -> str:
+    n = counts.total()
+    return f"{n} file" + ("" if n == 1 else "s")
+
+
+def _suffix_counts(counts: Counter[str], show: int = 5) -> list[str]:
+    """'.txt: 2', '.pdf: 1', 'no suffix: 1', most common first."""
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:show]
+    parts = [f"{s or 'no suffix'}: {n}" for s, n in ranked]
+    if len(counts) > show:
+        parts.append("...")
+    return parts
+
+
 def _inputs(args: argparse.Namespace) -> list[str]:
-    """The image paths to caption, in order, as typed or found (deduplicated)."""
+    """The image paths to caption, in order, as typed, listed on standard input (-) or found
+    in folders (deduplicated). A path typed that does not exist is a usage error (a typo); one
+    listed on standard input gets an error record, as an unreadable file does (a long list
+    with one stale line still captions the rest)."""
     from showattendtell.images import list_images
 
-    missing = [p for p in args.paths if not os.path.exists(p)]
+    typed = [p for p in args.paths if p != "-"]
+    listed = _stdin_paths() if "-" in args.paths else []
+    urls = [p for p in typed + listed if URL.match(p) and not os.path.exists(p)]
+    if urls:
+        raise UsageError(f"{urls[0]} is a web address: download it first (e.g. curl -O "
+                         "URL), then caption the file")
+    missing = [p for p in typed if not os.path.exists(p)]
     if missing:
         raise UsageError(f"no such file or folder: {missing[0]}")
+    given_paths: list[str] = []
+    for p in args.paths:
+        given_paths += listed if p == "-" else [p]
+        if p == "-":
+            listed = []  # - given twice reads standard input once
+    if not given_paths:
+        raise UsageError("no image paths on standard input")
     paths: list[str] = []
     seen: set[str] = set()
     empty: list[str] = []
-    for given in args.paths:
-        found = [str(p) for p in list_images([given], args.recursive)]
+    for given in given_paths:
+        skipped: Counter[str] = Counter()
+        found = [str(p) for p in list_images([given], args.recursive, skipped)]
+        if skipped:
+            print(f"warning: {given}: skipped {_count_files(skipped)} not named as images "
+                  f"({', '.join(_suffix_counts(skipped))})", file=sys.stderr)
         if not found:
             empty.append(given)
         for p in found:
@@ -139,7 +229,8 @@ def _inputs(args: argparse.Namespace) -> list[str]:
                 paths.append(p)
     hint = "" if args.recursive else " (use --recursive for sub-folders)"
     if not paths:
-        raise UsageError("no image files found in " + ", ".join(args.paths) + hint)
+        raise UsageError("no image files found in " + ", ".join(given_paths[:5])
+                         + (", ..." if len(given_paths) > 5 else "") + hint)
     for given in empty:
         print(f"warning: no image files in {given}{hint}", file=sys.stderr)
     return paths
@@ -171,6 +262,7 @@ class Plan:
     todo: list[str]  # input paths not in the output yet, in input order
     skipped: int  # inputs already in the output (--resume)
     fields: tuple[str, ...] | None  # the CSV columns of the file being continued
+    sheets: dict[str, str] | None = None  # --overlays: the PNG name of each path to do
 
 
 def _plan(args: argparse.Namespace, fmt: str, lock: list[OutputLock]
@@ -191,10 +283,15 @@ def _plan(args: argparse.Namespace, fmt: str, lock: list[OutputLock]
     if args.resume and out_path is not None and existed:
         resume = scan_output(out_path, fmt, args.with_attention)  # refuses a foreign file
     done = resume.done if resume else set()
-    todo = [p for p in paths if p not in done]
+    # the file holds each path as written (printable_path); one written before that, raw
+    todo = [p for p in paths if printable_path(p) not in done and p not in done]
+    sheets = None
     if todo and args.overlays:
         prepare_folder("--overlays", Path(args.overlays))
-    return Plan(todo, len(paths) - len(todo), resume.fields if resume else None), resume
+        names = overlay_names(paths)  # of every input: a resumed run names sheets the same
+        sheets = {p: names[p] for p in todo}
+    return Plan(todo, len(paths) - len(todo), resume.fields if resume else None,
+                sheets), resume
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
     plan: Plan | UserError | None = None
     resume: ResumePoint | None = None
     lock: list[OutputLock] = []
+    # SIGTERM stops the run as Ctrl-C does: complete records kept, the resume command printed
+    old_sigterm = _stop_on_sigterm()
     try:
         if procs.rank == 0:
             try:
@@ -225,6 +324,26 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for held in lock:
             held.release()
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
+
+
+def _stop_on_sigterm():
+    """Turn SIGTERM into Terminated (a KeyboardInterrupt) for this run; returns the handler to
+    put back (None where signals cannot be handled: not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, raise_terminated)
+
+
+def resume_command(args: argparse.Namespace) -> str | None:
+    """The `sat caption` command line that finishes an interrupted run: the same, with
+    --resume (and without --overwrite, which would start the file again)."""
+    given = getattr(args, "command_line", None)
+    if not given or not args.output:
+        return None
+    kept = [a for a in given if a not in ("--resume", "--overwrite")]
+    return shlex.join(["sat", *kept, "--resume"])
 
 
 def _run_planned(args: argparse.Namespace, plan: Plan | UserError | None,
@@ -263,7 +382,9 @@ def _caption(args: argparse.Namespace, plan: Plan, resume: ResumePoint | None, f
         stream = open_output(Path(args.output), resume if args.resume else None)
     writer = Writer(fmt, args.with_attention, stream, plan.fields)
     fresh = fmt == "csv" and plan.fields is None
-    overlays = Path(args.overlays) if args.overlays else None
+    overlays = None
+    if args.overlays and plan.sheets is not None:
+        overlays = {p: Path(args.overlays) / name for p, name in plan.sheets.items()}
     return _caption_loop(captioner, plan, args, decoding, writer, fresh, overlays, procs)
 
 
@@ -274,7 +395,8 @@ def _nothing_to_do(plan: Plan, args: argparse.Namespace) -> int:
 
 
 def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
-                  decoding: dict[str, Any], writer: Writer, fresh: bool, overlays: Path | None,
+                  decoding: dict[str, Any], writer: Writer, fresh: bool,
+                  overlays: dict[str, Path] | None,
                   procs: Processes) -> int:
     """Every process captions its batches; at each step the first process gathers that step's
     records from all of them and writes them, in input order, one whole record per write.
@@ -298,7 +420,7 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
     # a bar on a terminal, unless the records go to a pipe; log lines when stderr is no terminal
     bar = sys.stderr.isatty() and (writer.stream is not None or sys.stdout.isatty())
     show = (True if bar else (False if sys.stderr.isatty() else None)) if main else False
-    interrupted = False
+    interrupted = 0  # the exit status of an interrupted run: 130 Ctrl-C, 143 SIGTERM
     error: str | None = None
     hint = " (run again with --resume to finish)"  # the disk-full case says more, below
     try:
@@ -318,8 +440,8 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
                         else:
                             failures.append(Record(path, error=failure))
                     progress(len(part))
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as e:
+        interrupted = 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:  # `sat caption DIR | head`: the reader has gone; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
@@ -343,19 +465,20 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
               + (hint if args.output else ""),
               file=sys.stderr)
         return 1
-    _summary(ok, failures, plan.skipped, len(todo), interrupted, args.output)
+    _summary(ok, failures, plan.skipped, len(todo), bool(interrupted), args.output,
+             resume_command(args), "-" in args.paths)
     if interrupted:
-        return 130
+        return interrupted
     return 1 if failures else 0
 
 
-def _formatted(rec: Record, writer: Writer, overlays: Path | None
+def _formatted(rec: Record, writer: Writer, overlays: dict[str, Path] | None
                ) -> tuple[str, str, str | None]:
     """(path, output line, error or None) for one record; its overlay and warning done here, by
     the process that captioned it."""
     if rec.result is not None and overlays is not None:
         try:
-            write_overlay(overlays, rec)
+            write_overlay(overlays[rec.path], rec)
         except Exception as e:  # noqa: BLE001 - the caption is still worth keeping
             print(f"warning: no overlay for {rec.path}: {e}", file=sys.stderr)
     if rec.result is not None and rec.result.warning:
@@ -364,14 +487,21 @@ def _formatted(rec: Record, writer: Writer, overlays: Path | None
 
 
 def _summary(ok: int, failures: list[Record], skipped: int, total: int, interrupted: bool,
-             output: str | None, show: int = 10) -> None:
-    """The end-of-run report on standard error: counts, then the failed files and why."""
+             output: str | None, command: str | None = None, stdin: bool = False,
+             show: int = 10) -> None:
+    """The end-of-run report on standard error: counts, then the failed files and why; an
+    interrupted run says how to finish it (the command, as `sat train` does)."""
     parts = [f"captioned {ok}", f"failed {len(failures)}"]
     if skipped:
         parts.append(f"skipped {skipped} already in {output}")
     if interrupted:
-        parts.append(f"interrupted with {total - ok - len(failures)} left"
-                     + (" (run again with --resume to finish)" if output else ""))
+        left = f"interrupted with {total - ok - len(failures)} left"
+        if command:
+            left += ("; resume with (the same list of paths on standard input):" if stdin
+                     else "; resume with:") + f"\n  {command}"
+        elif output:
+            left += " (run again with --resume to finish)"
+        parts.append(left)
     print("; ".join(parts), file=sys.stderr)
     for rec in failures[:show]:
         print(f"  {rec.path}: {rec.error}", file=sys.stderr)
