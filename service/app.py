@@ -45,13 +45,14 @@ REFUSAL_JS = """
   new MutationObserver(() => {
     for (const toast of document.querySelectorAll('.toast-body')) {
       if (seen.has(toast)) continue;
-      seen.add(toast);
+      // its text may arrive after the toast itself: a toast counts once, when it matches
       const found = (toast.innerText || '').match(/Invalid file types?:[^\\n]*/);
       if (!found) continue;
+      seen.add(toast);
       window.__satRefused = found[0];
       document.querySelector('#refused-upload')?.click();
     }
-  }).observe(document.body, {childList: true, subtree: true});
+  }).observe(document.body, {childList: true, subtree: true, characterData: true});
 }
 """
 

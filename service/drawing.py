@@ -39,7 +39,7 @@ def tagged(image: Image.Image, text: str = FLAT_TAG) -> Image.Image:
     """The image with ``text`` on a dark band at its top left (marks a flat map)."""
     out = image.copy()
     draw = ImageDraw.Draw(out)
-    font = label_font(max(11, min(18, image.width // 14)))
+    font = label_font(max(10, min(14, image.width // 20)))
     box = draw.textbbox((0, 0), text, font=font)
     draw.rectangle([0, 0, box[2] + 10, box[3] + 8], fill=(20, 20, 20))
     draw.text((5, 3), text, fill=(255, 214, 90), font=font)  # not white: white marks a cell

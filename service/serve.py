@@ -126,13 +126,20 @@ def check_port(host: str, port: int) -> None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise ServeError(f"--host {host}: {e.strerror or e}") from None
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
-        try:
-            s.bind(address)
-        except OSError as e:
-            raise ServeError(port_message(host, port, e)) from None
+    error: OSError | None = None
+    for family, _, _, _, address in infos:  # localhost: ::1 and 127.0.0.1; one that binds will do
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ServeError(port_message(host, port, e)) from None
+                error = e
+                continue
+        return
+    if error is not None:
+        raise ServeError(port_message(host, port, error))
 
 
 def port_message(host: str, port: int, error: OSError) -> str:
