@@ -56,3 +56,17 @@ def test_bad_settings_are_config_errors():
         module(self_critical=2, self_critical_meteor=-1.0)
     with pytest.raises(ValueError, match="adam or rmsprop"):
         module(optimizer=OptimizerConfig(name="sgd")).configure_optimizers()
+
+
+def test_train_only_trains_the_named_decoder_parameters_and_refuses_names_that_match_none():
+    from showattendtell.lit_module import TrainingConfigError
+
+    m = module(optimizer=OptimizerConfig(train_only=["attention."]))
+    (group,) = m.configure_optimizers().param_groups
+    trained = {n for n, p in m.model.decoder.named_parameters() if p.requires_grad}
+    assert trained == {n for n, _ in m.model.decoder.attention.named_parameters(prefix="attention")}
+    assert len(group["params"]) == len(trained)
+    everything = module().configure_optimizers().param_groups[0]["params"]
+    assert len(everything) == len(list(m.model.decoder.parameters()))
+    with pytest.raises(TrainingConfigError, match="names no decoder parameter"):
+        module(optimizer=OptimizerConfig(train_only=["lstm."])).configure_optimizers()

@@ -151,12 +151,14 @@ def test_reinforce_with_the_mean_of_other_samples_is_unbiased():
 def test_location_samples_teach_each_caption_k_times_and_leave_b_alone():
     from showattendtell.decoder import DecoderConfig
     from showattendtell.encoder import EncoderConfig
-    from showattendtell.lit_module import CaptionModule, HardAttentionConfig, TrainingConfigError
+    from showattendtell.lit_module import CaptionModule, TrainingConfigError
+    from showattendtell.objectives import HardAttentionConfig, ObjectiveConfig
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(26)]]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
     module = CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0),
-                           hard=HardAttentionConfig(expectation_prob=0.0, location_samples=3))
+                           ObjectiveConfig(hard=HardAttentionConfig(expectation_prob=0.0,
+                                                                    location_samples=3)))
     module.train()
     a, caps, lengths = make_batch(D=2048)
     loss, logs = module.compute_loss({"inputs": a, "captions": caps, "lengths": lengths})
@@ -166,7 +168,7 @@ def test_location_samples_teach_each_caption_k_times_and_leave_b_alone():
     assert module.model.decoder.attention.score.weight.grad.abs().sum() > 0
     try:
         CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0),
-                      hard=HardAttentionConfig(location_samples=0))
+                      ObjectiveConfig(hard=HardAttentionConfig(location_samples=0)))
     except TrainingConfigError as e:
         assert "location_samples" in str(e)
     else:
