@@ -364,6 +364,20 @@ def main() -> None:
             cells.append(f"{n}: {low.mean():5.1%} warned, {below:.3f} / {above:.3f}, {bad:.0%} bad")
         mark = "  <- familiarity.THRESHOLD" if t == familiarity.THRESHOLD else ""
         print(f"  < {t:<5}  " + "; ".join(cells) + mark)
+    t = familiarity.THRESHOLD
+    print(
+        f"  the baseline warning as many photos of each set as familiarity < {t} does (those "
+        "of the lowest log-probability per word): mean CIDEr warned / not, bad"
+    )
+    cells = []
+    for n, s in sets.items():
+        count = int((fam[k0][n] < t).sum())
+        low = np.zeros(len(s["cider"]), bool)
+        low[np.argsort(s["log_prob_per_word"], kind="stable")[:count]] = True
+        below = s["cider"][low].mean() if low.any() else float("nan")
+        bad = np.mean(s["cider"][low] < args.bad) if low.any() else float("nan")
+        cells.append(f"{n}: {below:.3f} / {s['cider'][~low].mean():.3f}, {bad:.0%} bad")
+    print("           " + "; ".join(cells))
 
     print("\ncalibration: the dev photos' familiarity should be about uniform on [0, 1]")
     d = fam[k0]["flickr8k dev"]
