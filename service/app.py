@@ -172,8 +172,8 @@ def layout(service: CaptionService, examples: Sequence[Path], session_ttl_s: flo
         elem_id="word-gallery",
     )
     out["sheet"] = gr.Image(
-        label="The whole caption with all word overlays (each word on its "
-        "own colour scale: red = that word's largest weight)",
+        label="The whole caption with all word overlays (one colour scale for the caption: red = "
+        "the largest weight of any word, as the bar says)",
         type="pil",
         interactive=False,
         format="jpeg",
