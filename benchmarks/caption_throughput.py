@@ -89,7 +89,7 @@ def end_to_end(
 
 def encoder_alone(captioner: Captioner, batches: list[torch.Tensor], lanes: int = 1) -> int:
     """The CNN alone on images already decoded: one batch at a time on all of torch's threads
-    (``lanes`` 1, the reference of issue #17's ratios), or ``lanes`` batches at once."""
+    (``lanes`` 1, the reference of the reported ratios), or ``lanes`` batches at once."""
     for _ in in_lanes(captioner.encode, batches, lanes):
         pass
     return sum(len(b) for b in batches)

@@ -1,4 +1,4 @@
-"""The data and training path at COCO's real size, on synthetic data (issue #17, item 4).
+"""The data and training path at COCO's real size, on synthetic data.
 
 COCO's Karpathy split has 123,287 images and about 616k captions. This script builds a dataset of
 that size in Karpathy's ``dataset_coco.json`` format, with captions sampled from the real COCO

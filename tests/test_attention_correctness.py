@@ -292,7 +292,7 @@ def test_evaluate_reports_attention_correctness_on_the_val_subset(tmp_path, caps
     scores = json.loads(last)  # strict JSON: json.loads would take NaN, so check the text too
     assert "NaN" not in last and "Infinity" not in last
     assert list(scores) == [*KEYS, "repeated_bigram_captions", "mean_words",
-                            "attention_correctness"]  # the metric keys as before
+                            "attention_correctness"]  # the metric keys, unchanged
     check_summary(scores["attention_correctness"], 8)
     assert scores["attention_correctness"]["skipped_images"] == 3
     assert "attention correctness:" in captured.err

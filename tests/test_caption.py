@@ -290,7 +290,7 @@ def test_interrupt_kill_and_resume(tiny_model_file, tmp_path, monkeypatch):
 def test_a_second_process_on_the_same_output_is_refused(tiny_model_file, tmp_path, monkeypatch,
                                                         capsys):
     """Two `sat caption` processes given one --output: the second stops in one line while the
-    first goes on, and the file ends with every image once (two writers used to append both)."""
+    first goes on, and the file ends with every image once (not both writers' records)."""
     folder = tmp_path / "few"
     folder.mkdir()
     for p in photos(8):

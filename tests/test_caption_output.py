@@ -1,5 +1,5 @@
 """`sat caption --resume` and the output file: a file that is not ours is never changed, and the
-only thing a resume may remove is one partial last record (issue #15, data loss)."""
+only thing a resume may remove is one partial last record."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def caption(tmp_path, monkeypatch, model: Path, *args: str) -> int:
 
 
 @pytest.mark.parametrize("name,content", [
-    ("notes.txt", b"notes\nlast line"),  # lost "last line" before the fix
-    ("notes.jsonl", b"notes"),  # one line, no newline: erased and overwritten before the fix
+    ("notes.txt", b"notes\nlast line"),  # a last line without a newline is kept
+    ("notes.jsonl", b"notes"),  # one line, no newline: not a partial record
     ("one.jsonl", b'{"a": 1}'),  # JSON, but not a record of ours
     ("two.jsonl", b'{"path": "x.jpg", "caption": "a dog"}\nnot json\n'),
     ("blank.csv", b"\n\n"),

@@ -118,7 +118,7 @@ def test_rerank_puts_the_beams_caption_that_agrees_with_the_neighbours_first(
         assert sorted(c for c, _ in reranked.beams) == sorted(c for c, _ in result.beams)
         # the words' attention maps are the chosen caption's own
         assert reranked.attention.shape[0] == len(reranked.words) == len(last.split())
-    # without --rerank the stored decoding ("none") decodes as before
+    # without --rerank the stored decoding ("none") decodes without reranking
     assert [r.caption for r in captioner.caption(photos, beam_size=5)] == [r.caption for r in plain]
 
 

@@ -190,9 +190,9 @@ def _free_port() -> int:
 
 
 def test_hard_attention_under_torchrun(ddp_run, flickr):
-    """Hard attention (REINFORCE) on 2 processes started by torchrun, as the README's several-
-    nodes command does (here one node): Lightning takes rank and world size from torchrun's
-    environment and starts no process of its own."""
+    """Hard attention (REINFORCE) on 2 processes started by torchrun, as the several-nodes
+    command of docs/training.md does (here one node): Lightning takes rank and world size from
+    torchrun's environment and starts no process of its own."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                 "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m"]

@@ -34,7 +34,7 @@ def test_exif_rotation_is_applied():
     (2000, 1500, "JPEG", (500, 375)),  # 1/4: both sides stay >= 260 (1/8 would not)
     (4032, 3024, "JPEG", (504, 378)),  # a 12-megapixel phone photo: 1/8
     (3000, 400, "JPEG", (3000, 400)),  # the short side is under 2 x 260: decoded whole
-    (500, 375, "JPEG", (500, 375)),  # Flickr8k's and COCO's sizes: as before
+    (500, 375, "JPEG", (500, 375)),  # Flickr8k's and COCO's sizes: decoded whole
     (2000, 1500, "PNG", (2000, 1500)),  # PNG has no reduced decoding
 ])
 def test_large_jpegs_decode_at_a_reduced_size_no_smaller_than_the_encoder_input(w, h, fmt,

@@ -232,7 +232,7 @@ def test_browser_hard_mode_frames_and_rejected_uploads(
             page.set_input_files(upload, str(bad))
             _status_has(page, "Cannot caption this file")
             page.wait_for_selector(".toast-body", timeout=30_000)
-            # a second event would have been sent together with the first (old code: two)
+            # one request: no second event sent together with the first
             assert len(joins) - before == 1
             toasts = page.evaluate("window.__toasts")
             assert len(toasts) == 1 and "corrupt or truncated" in toasts[0]

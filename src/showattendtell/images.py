@@ -58,7 +58,7 @@ def open_image(
     may be decoded at 1/2, 1/4 or 1/8 of its size as long as both sides stay >= min_size
     (libjpeg's DCT scaling, PIL's ``draft``, as ``Image.thumbnail`` does): a 12-megapixel
     photo for a 260 px encoder decodes in 12.5 ms instead of 105 (one core); photos under
-    twice min_size on a side (COCO's, Flickr's) decode as before.
+    twice min_size on a side (COCO's, Flickr's) decode at full size.
     """
     if isinstance(source, Image.Image):
         img = source

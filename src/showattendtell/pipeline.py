@@ -42,7 +42,7 @@ class Record:
 
 
 DEFAULT_BATCH_SIZE = 32  # a search step reads all the decoder's weights whatever its rows, so
-# 32 images share that cost better than 16 (README, "Why 32"); the CNN runs in slices anyway
+# 32 images share that cost better than 16 (benchmarks/README.md); the CNN runs in slices anyway
 
 
 CPU_CORES_PER_WORKER = 8  # on a CPU, one image-decoding process per this many cores
