@@ -205,7 +205,7 @@ def _default_sigint() -> None:  # a background job starts with SIGINT ignored; u
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(stop, synthetic_flickr,
-                                                                    tmp_path):
+                                                                    tmp_path, capsys):
     """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM (`kill PID`, a scheduler's
     preemption: Lightning finishes the batch, then stops) saves where training stopped."""
     import shlex
@@ -259,9 +259,25 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(stop, synthe
     old = os.getcwd()
     os.chdir(tmp_path)
     try:  # the printed command resumes where it stopped; here one epoch beyond
+        capsys.readouterr()
         assert main([*argv[1:], "--trainer.max_epochs", str(ckpt["epoch"] + 2)]) == 0
     finally:
         os.chdir(old)
+    # the end of the run says what it reached and where the checkpoints are; the interrupted
+    # checkpoint it went past is gone, and the run kept one log, without steps logged twice
+    err = capsys.readouterr().err
+    run = tmp_path / "runs" / "tiny"
+    best = next((run / "checkpoints").glob("best-*.ckpt"))
+    assert "best val/bleu4 " in err and f": runs/tiny/checkpoints/{best.name}" in err
+    assert "last: runs/tiny/checkpoints/last.ckpt" in err
+    assert not saved.exists() and "removed runs/tiny/checkpoints/interrupted.ckpt" in err
+    assert [p.name for p in (run / "logs").iterdir()] == ["version_0"]
+    assert [p.name for p in (run / "tb").iterdir()] == ["version_0"]
+    import csv
+
+    with open(run / "logs" / "version_0" / "metrics.csv", newline="") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(steps) == len(set(steps)) and max(steps) >= ckpt["global_step"]
     done = torch.load(last, map_location="cpu", weights_only=True)
     # the interrupted epoch is finished, not started again (nor skipped): the steps add up to
     # whole epochs, whether Ctrl-C came mid-epoch or during the epoch's validation

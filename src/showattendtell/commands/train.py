@@ -3,6 +3,7 @@ YAML configs."""
 
 from __future__ import annotations
 
+import csv
 import shlex
 import sys
 import warnings
@@ -15,6 +16,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from showattendtell.config_files import BASE_KEY, expand_bases
@@ -53,8 +55,76 @@ class RunConfig:
     save_every_n_steps: int | None = None
 
 
-def run_loggers(run: RunConfig) -> list:
-    return [CSVLogger(run.dir, name="logs"), TensorBoardLogger(run.dir, name="tb")]
+def _latest_version(folder: Path) -> int | None:
+    """N of the newest ``version_N`` folder under ``folder`` (None: none yet)."""
+    found = [int(p.name[8:]) for p in folder.glob("version_*") if p.name[8:].isdigit()]
+    return max(found, default=None)
+
+
+class _ContinuedWriter(ExperimentWriter):
+    """A resumed run's metrics.csv, continued instead of deleted (Lightning's writer removes
+    the file it finds). Rows the checkpoint's training covers are kept; later ones, trained
+    again after the resume, are dropped so that no step is logged twice."""
+
+    def __init__(self, log_dir: str, from_step: int) -> None:
+        self.from_step = from_step
+        super().__init__(log_dir)
+
+    def _check_log_dir_exists(self) -> None:
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows, keys = list(reader), list(reader.fieldnames or [])
+
+        def kept(row: dict) -> bool:
+            try:
+                step = int(float(row.get("step") or 0))
+            except ValueError:
+                return True
+            validation = any(row.get(k) for k in keys if k.startswith("val/"))
+            return step < self.from_step or (validation and step <= self.from_step)
+
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(r for r in rows if kept(r))
+        self.metrics_keys = sorted(keys)
+
+
+class ContinuedCSVLogger(CSVLogger):
+    """CSVLogger writing on in an existing version folder (see _ContinuedWriter)."""
+
+    def __init__(self, *args, from_step: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._from_step = from_step
+
+    @property
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            Path(self.root_dir).mkdir(parents=True, exist_ok=True)
+            self._experiment = _ContinuedWriter(self.log_dir, self._from_step)
+        return self._experiment
+
+
+def run_loggers(run: RunConfig, ckpt_path: str | None = None) -> list:
+    """CSV (logs/) and TensorBoard (tb/) logs. A run resumed from a checkpoint goes on in its
+    newest version folder (one log per run, not a new version_N at every resume)."""
+    csv_version = tb_version = None
+    if ckpt_path is not None and Path(ckpt_path).is_file():
+        csv_version = _latest_version(Path(run.dir) / "logs")
+        tb_version = _latest_version(Path(run.dir) / "tb")
+    if csv_version is None:
+        csv_logger = CSVLogger(run.dir, name="logs")
+    else:
+        import torch
+
+        step = torch.load(ckpt_path, map_location="cpu", weights_only=True,
+                          mmap=True).get("global_step", 0)
+        csv_logger = ContinuedCSVLogger(run.dir, name="logs", version=csv_version,
+                                        from_step=int(step))
+    return [csv_logger, TensorBoardLogger(run.dir, name="tb", version=tb_version)]
 
 
 def run_callbacks(run: RunConfig) -> list[L.Callback]:
@@ -104,7 +174,8 @@ class SatCLI(LightningCLI):
         run: RunConfig = self._get(self.config_init, "run")
         trainer = self._get(self.config_init, "trainer", default={})
         if trainer.get("logger") in (None, True):
-            kwargs.setdefault("logger", run_loggers(run))
+            kwargs.setdefault("logger",
+                              run_loggers(run, self._get(self.config_init, "ckpt_path")))
         kwargs["callbacks"] = [*(trainer.get("callbacks") or []), *run_callbacks(run)]
         return super().instantiate_trainer(**kwargs)
 
@@ -225,6 +296,7 @@ def train(args: list[str]) -> int:
         if not on_interrupt.interrupted:
             raise
     if not on_interrupt.interrupted:
+        _finished(cli.trainer, cli.config.ckpt_path)
         return 0
     if on_interrupt.saved is not None:
         print(f"interrupted at epoch {cli.trainer.current_epoch}, step "
@@ -234,6 +306,50 @@ def train(args: list[str]) -> int:
         print("interrupted before the first training step; run the same command again to "
               "start (features cached so far are kept)", file=sys.stderr)
     return on_interrupt.exit_status
+
+
+def _shown(path: str | Path) -> str:
+    """A path as a user would type it: relative to the current folder when inside it."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
+    """The end of a run: its best validation score and where the best and last checkpoints
+    are (what to export next); and a stale interrupted.ckpt removed: this run resumed from it,
+    or went past it, so it could only resume an older state of the run."""
+    if trainer.global_rank != 0:
+        return
+    best = next((c for c in trainer.checkpoint_callbacks
+                 if isinstance(c, ModelCheckpoint) and c.monitor), None)
+    last = next((c for c in trainer.checkpoint_callbacks
+                 if isinstance(c, ModelCheckpoint) and c.filename == "last"), None)
+    lines = [f"finished: {trainer.current_epoch} epochs, {trainer.global_step} steps"]
+    if best is not None and best.best_model_path:
+        score = best.best_model_score
+        where = _shown(best.best_model_path)
+        lines.append(f"best {best.monitor} {float(score):.4f}: {where}" if score is not None
+                     else f"best: {where}")
+    if last is not None and last.dirpath and (Path(last.dirpath) / "last.ckpt").is_file():
+        lines.append(f"last: {_shown(Path(last.dirpath) / 'last.ckpt')}")
+    if best is not None and best.best_model_path:
+        lines.append(f"make a model file of the best: sat export "
+                     f"{shlex.quote(_shown(best.best_model_path))} MODEL.safetensors")
+    folder = Path(last.dirpath) if last is not None and last.dirpath else None
+    stale = folder / INTERRUPTED_CHECKPOINT if folder is not None else None
+    if stale is not None and stale.is_file():
+        import torch
+
+        resumed = resumed_from is not None and Path(resumed_from).resolve() == stale.resolve()
+        step = torch.load(stale, map_location="cpu", weights_only=True, mmap=True).get(
+            "global_step", 0)
+        if resumed or step <= trainer.global_step:
+            stale.unlink()
+            lines.append(f"removed {_shown(stale)} (this run went past it)")
+    print("\n".join(lines), file=sys.stderr)
 
 
 def extract_features(args: list[str]) -> int:
