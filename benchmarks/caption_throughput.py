@@ -6,8 +6,8 @@ written) and what the CNN alone costs on the same images
 already in memory, so the ratio says how much loading, decoding and writing add on top of it.
 Warm-up first, then several rounds, each timing the encoder alone, greedy, beam 3 and the
 encoder alone again one after the other (so that a change in the machine's load hits all of
-them alike; the reference is timed twice a round because it moves more than the pipeline, see
-the README); medians are reported.
+them alike; the reference is timed twice a round because it moves more than the pipeline);
+medians are reported.
 The last line of output is one JSON object, for scripts. ``--profile`` adds where the time of
 one greedy and one beam-3 run goes (image decoding, encoder, decoder steps,
 search bookkeeping, results, JSON lines, waiting), so that the gap to the encoder can be
