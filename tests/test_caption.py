@@ -436,7 +436,7 @@ def test_a_folder_of_phone_photos_and_other_files(tiny_model_file, tmp_path, mon
 
 def test_sheets_are_named_after_the_file():
     """Folders are added only where file names clash (also by case only)."""
-    names = overlay_names(["/home/me/work/photos/x.jpg", "2023/a.jpg", "2024/a.jpg",
+    names = overlay_names(["/home/me/pictures/x.jpg", "2023/a.jpg", "2024/a.jpg",
                            "trip/2023/b.jpg", "home/2023/b.jpg", "c.jpg", "C.JPG", "./c.jpg"])
     assert list(names.values()) == ["x.jpg.png", "2023__a.jpg.png", "2024__a.jpg.png",
                                     "trip__2023__b.jpg.png", "home__2023__b.jpg.png",
