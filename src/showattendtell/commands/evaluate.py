@@ -30,6 +30,7 @@ from showattendtell.cli_common import (
     add_model_arg,
     decoding_overrides,
 )
+from showattendtell.data.datasets import DATASETS
 from showattendtell.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,6 @@ log = logging.getLogger(__name__)
 
 class EvaluateError(UsageError, ValueError):
     """Bad arguments or nothing to score."""
-
-DATASET_CHOICES = ("coco", "flickr8k", "karpathy")
 
 
 def add_parser(sub) -> None:
@@ -49,7 +48,7 @@ def add_parser(sub) -> None:
                     "official COCO caption toolkit. Prints the scores as one JSON object on the "
                     "last line of standard output.")
     add_model_arg(p)
-    p.add_argument("--dataset", required=True, choices=DATASET_CHOICES,
+    p.add_argument("--dataset", required=True, choices=DATASETS,
                    help="coco (official files, or Karpathy's split with dataset_coco.json), "
                         "flickr8k (original release files), karpathy (dataset_*.json)")
     p.add_argument("--root", required=True, help="the dataset folder (see data/README.md)")
