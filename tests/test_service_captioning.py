@@ -147,7 +147,7 @@ def test_familiarity_and_its_warning_reach_the_api(
     assert 0.0 <= d["familiarity"] <= 1.0
     from showattendtell import familiarity
 
-    monkeypatch.setattr(familiarity.Familiarity, "warning", lambda self, f: familiarity.WARNING)
+    monkeypatch.setattr(familiarity.Familiarity, "warning", lambda self, *a: familiarity.WARNING)
     d = api_caption(indexed_service, str(photo(0)), indexed)
     assert familiarity.WARNING in d["warning"]
 

@@ -174,7 +174,7 @@ def test_familiarity_warning_is_shown(
 ):
     from showattendtell import familiarity
 
-    monkeypatch.setattr(familiarity.Familiarity, "warning", lambda self, f: familiarity.WARNING)
+    monkeypatch.setattr(familiarity.Familiarity, "warning", lambda self, *a: familiarity.WARNING)
     indexed, _ = indexed_service.names
     out = outputs(events.ui_caption(indexed_service, str(photo(0)), indexed))
     assert out["warning"]["visible"] is True and familiarity.WARNING in out["warning"]["value"]
