@@ -60,9 +60,9 @@ API_DESCRIPTION = (
     "Caption an image: caption, words, score, familiarity (0..1: how much the photo "
     "looks like the training photos), top beams in the order that decided "
     "(ranked_by), each word's attention grid (and hard-attention locations), the "
-    "decoding settings that apply to the model and a warning for an unfamiliar or "
-    "degenerate photo. Options left out (None) are the model's defaults; a value "
-    "out of range is an error."
+    "decoding settings that apply to the model and a warning for a caption likely "
+    "wrong (an unfamiliar photo, an unsure caption) or a degenerate photo. Options "
+    "left out (None) are the model's defaults; a value out of range is an error."
 )
 
 DEFAULT_SESSION_MINUTES = 60.0  # a browser session's captioned photo is kept this long
