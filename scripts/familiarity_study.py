@@ -1,5 +1,6 @@
-"""How well familiarity (familiarity.py) tells good captions from bad ones; how its threshold and
-its k were chosen; and what the model gets wrong on COCO photos.
+"""How well familiarity (familiarity.py) and the warning that combines it with the caption's
+log-probability tell good captions from bad ones; how the warning's coefficients, its threshold
+and familiarity's k were chosen; and what the model gets wrong on COCO photos.
 
     python scripts/familiarity_study.py --flickr8k ../shared/data/flickr8k \\
         --coco ../shared/data/coco2017_val_subset:val \\
@@ -13,10 +14,13 @@ document frequencies of that set (Flickr8k dev; the COCO photos together), on PT
 captions when Java is there. A caption is "bad" when its per-image CIDEr is below --bad (0.3).
 
 Printed: the AUROC of each predictor of a bad caption (low familiarity at several k; the
-baseline, a low mean log-probability per word; and both in a logistic regression, scored by
-5-fold cross-validation), on each set and on all photos together; the mean per-image CIDEr of
-the photos above and below each threshold; and, on COCO, the words the captions use against
-the objects the photos hold (pycocotools instance annotations).
+baseline, a low mean log-probability per word; both in a logistic regression on all photos pooled,
+scored by 5-fold cross-validation; and the shipped rule, familiarity.COEFFICIENTS), on each set and
+on all photos together; the coefficients the pooled regression fits (what familiarity.COEFFICIENTS
+holds); the share of each set warned at several thresholds of P(bad) and the mean per-image CIDEr
+of the warned and the other photos, against the baseline warning as many; the calibration of
+familiarity on the dev photos; and, on COCO, the words the captions use against the objects the
+photos hold (pycocotools instance annotations).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from showattendtell.inference import Captioner, load_model
 from showattendtell.vocab import tokenize
 
 KS = (1, 5, 10, 30, 60)  # neighbours averaged, compared
-THRESHOLDS = (0.01, 0.02, 0.05, 0.1, 0.2)
+THRESHOLDS = (0.01, 0.02, 0.05, 0.1, 0.2)  # familiarity's calibration check
+RISK_THRESHOLDS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75)  # P(bad) thresholds of the warning, compared
 FOLDS = 5
 # caption words -> the COCO category that holds what they name
 WORD_GROUPS = {
@@ -196,6 +201,18 @@ def cross_validated_risk(x: np.ndarray, y: np.ndarray, folds: int = FOLDS) -> np
     return risk
 
 
+def _warned_cells(sets: dict[str, dict], warned: dict[str, np.ndarray], bad: float) -> str:
+    """Per set: share warned, mean per-image CIDEr warned / not warned, share bad of warned."""
+    cells = []
+    for n, s in sets.items():
+        w, cider = warned[n], s["cider"]
+        below = cider[w].mean() if w.any() else float("nan")
+        above = cider[~w].mean() if (~w).any() else float("nan")
+        share = np.mean(cider[w] < bad) if w.any() else float("nan")
+        cells.append(f"{n}: {w.mean():5.1%} warned, {below:.3f} / {above:.3f}, {share:.0%} bad")
+    return "; ".join(cells)
+
+
 # --------------------------------------------------------------------------- COCO objects
 
 
@@ -331,53 +348,72 @@ def main() -> None:
         n: -s["log_prob_per_word"] for n, s in sets.items()
     }
     k0 = familiarity.NEIGHBOURS
-    combined, coefficients = {}, {}
-    for n, s in sets.items():  # the similarity, not its percentile: no ties below the 1st
-        sim = scorers[k0].similarity(torch.from_numpy(s["pooled"]))
-        x = np.stack([sim, s["log_prob_per_word"]], 1)
-        y = (s["cider"] < args.bad).astype(float)
-        combined[n] = cross_validated_risk(x, y)
-        coefficients[n] = fit_logistic((x - x.mean(0)) / x.std(0), y)
-    rows[f"both, k = {k0} (logistic regression, {FOLDS}-fold CV)"] = combined
+    scorer = scorers[k0]
+    for s in sets.values():
+        s["similarity"] = scorer.similarity(torch.from_numpy(s["pooled"]))
+        s["typicality"] = scorer.typicality(s["similarity"])
+    # the warning's logistic regression, on all photos pooled; scored per set by 5-fold CV
+    pooled = sets["all"]
+    x = np.stack([pooled["typicality"], pooled["log_prob_per_word"]], 1)
+    y = (pooled["cider"] < args.bad).astype(float)
+    fitted = fit_logistic(x, y)
+    cv = cross_validated_risk(x, y)
+    edges = np.cumsum([0] + [len(s["cider"]) for n, s in sets.items() if n != "all"])
+    combined = {n: cv[edges[i] : edges[i + 1]] for i, n in enumerate(n for n in sets if n != "all")}
+    combined["all"] = cv
+    rows[f"both, k = {k0} (logistic, {FOLDS}-fold CV, photos pooled)"] = combined
+    shipped = {n: scorer.risk(s["similarity"], s["log_prob_per_word"]) for n, s in sets.items()}
+    rows["the shipped warning's P(bad) (in sample)"] = shipped
     for label, risks in rows.items():
         print(
             f"  {label:50s}"
             + "".join(f"{auroc(s['cider'] < args.bad, risks[n]):14.3f}" for n, s in sets.items())
         )
+    lp_dev = np.median(sets["flickr8k dev"]["log_prob_per_word"]) if "flickr8k dev" in sets else 0
     print(
-        "  logistic regression on all the photos of a set, standardised inputs: bias, "
-        "similarity, log-probability per word: "
-        + "; ".join(f"{n} {np.round(w, 2).tolist()}" for n, w in coefficients.items())
+        "  logistic regression on all photos pooled (bias, typicality, log-probability per word): "
+        f"COEFFICIENTS = ({', '.join(f'{w:.4f}' for w in fitted)}); shipped "
+        f"{familiarity.COEFFICIENTS}; dev median log-probability per word {lp_dev:.2f} "
+        f"(shipped TYPICAL_LOG_PROB {familiarity.TYPICAL_LOG_PROB})"
     )
 
     print(
-        f"\nfamiliarity (k = {k0}) thresholds: share warned, mean per-image CIDEr below / "
-        f"above, share of warned captions that are bad"
+        "\nthe warning (shipped COEFFICIENTS) at thresholds on P(bad): share warned, mean "
+        "per-image CIDEr warned / not warned, share of warned captions that are bad"
     )
-    for t in THRESHOLDS:
-        cells = []
+    for t in RISK_THRESHOLDS:
+        mark = "  <- familiarity.RISK_THRESHOLD" if t == familiarity.RISK_THRESHOLD else ""
+        print(
+            f"  > {t:<5}  "
+            + _warned_cells(sets, {n: r > t for n, r in shipped.items()}, args.bad)
+            + mark
+        )
+    t = familiarity.RISK_THRESHOLD
+    warned = {n: shipped[n] > t for n in sets}
+    print("  for comparison, warning as many photos of each set as the shipped rule:")
+    for label, risk in (
+        ("lowest log-probability per word (baseline)", lambda s: -s["log_prob_per_word"]),
+        (f"lowest familiarity (k = {k0})", lambda s: -s["typicality"]),
+    ):
+        same = {}
         for n, s in sets.items():
-            low = fam[k0][n] < t
-            below = s["cider"][low].mean() if low.any() else float("nan")
-            above = s["cider"][~low].mean() if (~low).any() else float("nan")
-            bad = np.mean(s["cider"][low] < args.bad) if low.any() else float("nan")
-            cells.append(f"{n}: {low.mean():5.1%} warned, {below:.3f} / {above:.3f}, {bad:.0%} bad")
-        mark = "  <- familiarity.THRESHOLD" if t == familiarity.THRESHOLD else ""
-        print(f"  < {t:<5}  " + "; ".join(cells) + mark)
-    t = familiarity.THRESHOLD
+            same[n] = np.zeros(len(s["cider"]), bool)
+            same[n][np.argsort(-risk(s), kind="stable")[: int(warned[n].sum())]] = True
+        print(f"    {label}: " + _warned_cells(sets, same, args.bad))
     print(
-        f"  the baseline warning as many photos of each set as familiarity < {t} does (those "
-        "of the lowest log-probability per word): mean CIDEr warned / not, bad"
+        f"  familiarity alone under {familiarity.UNFAMILIAR}: "
+        + _warned_cells(sets, {n: fam[k0][n] < familiarity.UNFAMILIAR for n in sets}, args.bad)
     )
-    cells = []
-    for n, s in sets.items():
-        count = int((fam[k0][n] < t).sum())
-        low = np.zeros(len(s["cider"]), bool)
-        low[np.argsort(s["log_prob_per_word"], kind="stable")[:count]] = True
-        below = s["cider"][low].mean() if low.any() else float("nan")
-        bad = np.mean(s["cider"][low] < args.bad) if low.any() else float("nan")
-        cells.append(f"{n}: {below:.3f} / {s['cider'][~low].mean():.3f}, {bad:.0%} bad")
-    print("           " + "; ".join(cells))
+    why = Counter(
+        scorer.warning(float(f), float(r), float(lp))
+        for n in sets
+        if n != "all"
+        for f, r, lp in zip(fam[k0][n], shipped[n], sets[n]["log_prob_per_word"], strict=True)
+    )
+    print(
+        "  warnings given (all photos): "
+        + "; ".join(f"{n} x {w!r}" for w, n in why.most_common() if w is not None)
+    )
 
     print("\ncalibration: the dev photos' familiarity should be about uniform on [0, 1]")
     d = fam[k0]["flickr8k dev"]

@@ -1,6 +1,6 @@
-"""Familiarity (familiarity.py): calibration against the index's own photos, the threshold and its
-warning, the score in every result (Python, JSON Lines, CSV) and None for models without an
-index."""
+"""Familiarity (familiarity.py): calibration against the index's own photos, the warning that
+combines it with the caption's mean log-probability per word, the score in every result (Python,
+JSON Lines, CSV) and None for models without an index."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ from showattendtell import familiarity
 from showattendtell.cli import main
 from showattendtell.consensus import ConsensusIndex
 from showattendtell.decoding import DecodingConfig
-from showattendtell.familiarity import WARNING, Familiarity
+from showattendtell.familiarity import (
+    BOTH_WARNING,
+    TYPICAL_LOG_PROB,
+    UNLIKE,
+    UNSURE_WARNING,
+    WARNING,
+    Familiarity,
+)
 from showattendtell.inference import CaptionResult, load_model
 from showattendtell.model_file import read_model, save_model
 
@@ -52,27 +59,82 @@ def test_new_photos_like_the_training_photos_are_calibrated_uniformly(scene):
     assert abs(np.mean(fam < 0.1) - 0.1) < 0.05 and abs(np.mean(fam > 0.9) - 0.1) < 0.05
 
 
+def _warn(scorer: Familiarity, embeddings: torch.Tensor, per_word: float) -> list[str | None]:
+    """The warnings of photos with these embeddings and captions of this log-prob per word."""
+    sim = scorer.similarity(embeddings)
+    risk = scorer.risk(sim, np.full(len(sim), per_word))
+    fam = scorer.calibrate(sim)
+    return [scorer.warning(float(f), float(r), per_word) for f, r in zip(fam, risk, strict=True)]
+
+
 def test_photos_unlike_the_training_photos_score_near_zero_and_are_warned(scene):
     rng, centres, index = scene
     scorer = Familiarity(index, neighbours=5)
     strangers = torch.zeros(50, DIM)
     strangers[:, 4:] = torch.as_tensor(rng.standard_normal((50, DIM - 4)), dtype=torch.float32)
-    fam = scorer.score(strangers)
-    assert fam.max() < 0.02
-    assert all(scorer.warning(float(f)) == WARNING for f in fam)
+    assert scorer.score(strangers).max() < 0.02
+    # a caption as confident as a typical in-domain one: the photo alone is the reason
+    assert _warn(scorer, strangers, TYPICAL_LOG_PROB + 0.2) == [WARNING] * 50
+    assert _warn(scorer, strangers, -2.0) == [BOTH_WARNING] * 50  # and an unsure caption
     typical = scorer.score(centres)  # the very centre of each kind of photo
-    assert typical.min() > 0.9 and all(scorer.warning(float(f)) is None for f in typical)
+    assert typical.min() > 0.9
+    assert _warn(scorer, centres, TYPICAL_LOG_PROB) == [None] * 4
 
 
-def test_the_warning_comes_below_the_threshold_only(scene):
-    _, _, index = scene
-    scorer = Familiarity(index, threshold=0.2)
-    assert scorer.warning(0.19) == WARNING
-    assert scorer.warning(0.2) is None and scorer.warning(0.9) is None
-    assert scorer.warning(None) is None
-    assert Familiarity(index).threshold == familiarity.THRESHOLD
+def test_the_warning_combines_familiarity_and_the_captions_log_probability(scene):
+    rng, centres, index = scene
+    scorer = Familiarity(index)
+    assert scorer.coefficients == familiarity.COEFFICIENTS
+    assert scorer.threshold == familiarity.RISK_THRESHOLD
+    _, b1, b2 = familiarity.COEFFICIENTS
+    assert b1 < 0 and b2 < 0  # less typical, less probable: more often bad
+    in_domain = clustered(rng, 200, centres)
+    familiar = in_domain[torch.as_tensor(scorer.score(in_domain) > 0.5)]
+    # a familiar photo with a confident caption: no warning; with an unsure one: warned, why
+    assert set(_warn(scorer, familiar, -0.4)) == {None}
+    assert set(_warn(scorer, familiar, -2.0)) == {UNSURE_WARNING}
+    # the risk grows as the caption's log-probability or the photo's similarity falls
+    sim = scorer.similarity(in_domain)
+    low, high = np.full(200, -1.5), np.full(200, -0.5)
+    assert np.all(scorer.risk(sim, low) > scorer.risk(sim, high))
+    assert np.all(scorer.risk(sim - 0.1, low) > scorer.risk(sim, low))
+    # typicality is the similarity on the calibration's scale: 0 at its median
+    median = np.median(scorer.reference())
+    assert scorer.typicality(np.array([median]))[0] == pytest.approx(0.0, abs=1e-9)
+    # a NaN log-probability counts as typical, -inf as unsure
+    assert scorer.risk(sim[:1], [np.nan]) == pytest.approx(scorer.risk(sim[:1], [TYPICAL_LOG_PROB]))
+    assert scorer.risk(sim[:1], [-np.inf]) == pytest.approx(1.0)
+    assert scorer.warning(None, 0.9, -2.0) is None and scorer.warning(0.5, None, -2.0) is None
     with pytest.raises(ValueError, match="threshold"):
         Familiarity(index, threshold=1.5)
+
+
+def test_results_are_warned_by_the_combined_rule(tiny_model_file, tmp_path):
+    """Inference warns each result from its familiarity and its own caption's log-probability
+    per word (familiarity.COEFFICIENTS, swapped here for extreme ones to see both ends)."""
+    photos = write_photos(tmp_path, 2, seed=5)
+    captioner = load_model(tiny_model_file, "cpu")
+    pooled = ConsensusIndex.pool(
+        captioner.encode(torch.stack([captioner.preprocess(p) for p in photos]))
+    )
+    spread = 0.2 * pooled.norm(dim=1).mean() / pooled.shape[1] ** 0.5
+    rows = pooled.repeat(10, 1) + spread * torch.randn(20, pooled.shape[1])
+    captioner.model.consensus = ConsensusIndex(rows, [["red circle"]] * 20, neighbours=3)
+    scorer = familiarity.for_index(captioner.model.consensus)
+    sim = scorer.similarity(pooled)
+    for r, s in zip(captioner.caption(photos), sim, strict=True):
+        per_word = familiarity.log_prob_per_word(r.log_prob, len(r.words))
+        risk = float(scorer.risk(np.array([s]), np.array([per_word]))[0])
+        assert r.warning == scorer.warning(r.familiarity, risk, per_word)
+        assert UNLIKE not in (r.warning or "")  # the photos are in the index
+    try:
+        scorer.coefficients = (-30.0, 0.0, 0.0)  # P(bad) = 0 whatever the caption
+        sure = [r.warning for r in captioner.caption(photos)]
+        scorer.coefficients = (0.0, 0.0, -30.0)  # P(bad) = 1 for any caption short of certain
+        unsure = [r.warning for r in captioner.caption(photos)]
+    finally:
+        scorer.coefficients = familiarity.COEFFICIENTS
+    assert sure == [None, None] and unsure == [UNSURE_WARNING] * 2
 
 
 def test_the_calibration_leaves_each_photo_out_and_is_computed_once(scene):
@@ -104,18 +166,18 @@ def test_results_carry_the_familiarity_and_none_without_an_index(tiny_model_file
     captioner.model.consensus = ConsensusIndex(like, [["red circle"]] * 30, neighbours=3)
     results = captioner.caption(photos)
     for r in results:
-        assert 0.5 < r.familiarity <= 1.0 and r.warning is None
+        assert 0.5 < r.familiarity <= 1.0 and UNLIKE not in (r.warning or "")
         assert r.to_dict()["familiarity"] == round(r.familiarity, 4)
     # an index of photos unlike them: the results say so
     unlike = -pooled.repeat(10, 1) + 0.01 * torch.randn(30, dim)
     captioner.model.consensus = ConsensusIndex(unlike, [["red circle"]] * 30, neighbours=3)
     for r in captioner.caption(photos):
-        assert r.familiarity == 0.0 and r.warning == WARNING
+        assert r.familiarity == 0.0 and r.warning.startswith(UNLIKE)
         json.dumps(r.to_dict(), allow_nan=False)
     # a tiny photo that is also unfamiliar keeps both warnings
     Image.new("RGB", (1, 1), (255, 0, 0)).save(tmp_path / "pixel.png")
     r = captioner.caption([tmp_path / "pixel.png"])[0]
-    assert "1x1" in r.warning and WARNING in r.warning
+    assert "1x1" in r.warning and UNLIKE in r.warning
 
 
 def test_add_warning_keeps_earlier_warnings():
@@ -143,8 +205,8 @@ def test_cli_records_carry_familiarity_and_warning(tiny_model_file, tmp_path, ca
     assert main(["caption", photo, "--model", indexed, "--workers", "0"]) == 0
     captured = capsys.readouterr()
     rec = json.loads(captured.out.strip().splitlines()[-1])
-    assert rec["familiarity"] == 0.0 and rec["warning"] == WARNING
-    assert f"warning: {photo}: {WARNING}" in captured.err
+    assert rec["familiarity"] == 0.0 and rec["warning"].startswith(UNLIKE)
+    assert f"warning: {photo}: {rec['warning']}" in captured.err
     out = tmp_path / "out.csv"
     assert (
         main(
@@ -164,7 +226,7 @@ def test_cli_records_carry_familiarity_and_warning(tiny_model_file, tmp_path, ca
         == 0
     )
     row = next(csv.DictReader(out.open(encoding="utf-8")))
-    assert float(row["familiarity"]) == 0.0 and row["warning"] == WARNING
+    assert float(row["familiarity"]) == 0.0 and row["warning"] == rec["warning"]
     # a model without an index: the field is there, empty (null in JSON)
     capsys.readouterr()
     assert main(["caption", photo, "--model", str(tiny_model_file), "--workers", "0"]) == 0

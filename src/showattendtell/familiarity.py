@@ -14,11 +14,26 @@ model file; so a model with an index has a familiarity and a model without one h
 calibration needs no held-out data: the index's own photos, each scored leave-one-out against
 the rest, are what "in domain" looks like. A photo as typical as the median training photo scores
 about 0.5; one less similar to its neighbours than every training photo is to its own scores 0.
-Below ``THRESHOLD`` the result carries ``WARNING``. ``NEIGHBOURS`` (k = 1: the single nearest
-training photo) separated bad captions from good ones best of k = 1..60 on the COCO photos, and
-``THRESHOLD`` warns about 1 in 30 Flickr8k dev photos but most COCO photos
-(scripts/familiarity_study.py; the model card has the numbers). On in-domain photos the caption's
-own log-probability tells bad captions better; familiarity is for photos unlike the training set.
+``NEIGHBOURS`` (k = 1: the single nearest training photo) separated bad captions from good ones
+best of k = 1..60.
+
+The warning does not use familiarity alone: on in-domain photos the caption's own mean
+log-probability per word tells bad captions better, on unfamiliar photos familiarity does, and a
+logistic regression on both beats either (scripts/familiarity_study.py; the model card has the
+numbers). So the result is warned when
+
+    P(bad caption) = sigmoid(b0 + b1 * typicality + b2 * mean log-probability per word)
+
+exceeds ``RISK_THRESHOLD``, where typicality = (similarity - the calibration's median) / its
+interquartile range: the similarity on the index's own scale, so that it carries over to an
+encoder whose cosines sit elsewhere, and without familiarity's ties at 0 far out of domain.
+``COEFFICIENTS`` were fitted by scripts/familiarity_study.py on the bundled soft model at its
+stored decoding (Flickr8k dev and COCO photos pooled, "bad" = per-image CIDEr under 0.3). Other
+models share the typicality scale and, through the vocabulary, the log-probability scale only
+approximately: a model much more or less confident than the bundled one is warned more or less
+often. The warning says why: the photo is unlike the training photos (familiarity under
+``UNFAMILIAR``), and/or the model is unsure of its words (a mean log-probability per word under
+``TYPICAL_LOG_PROB``, the dev photos' median, or the photo is familiar).
 """
 
 from __future__ import annotations
@@ -33,8 +48,18 @@ import torch.nn.functional as F
 from showattendtell.consensus import ConsensusIndex
 
 NEIGHBOURS = 1  # k nearest training photos averaged (scripts/familiarity_study.py)
-THRESHOLD = 0.05  # familiarity below this: the caption gets WARNING
-WARNING = "the photo is unlike the training photos; the caption may be wrong"
+# P(bad) = sigmoid(bias + typicality * w1 + mean log-prob per word * w2): fitted by
+# scripts/familiarity_study.py on the bundled soft model at its stored decoding (1,120 photos:
+# Flickr8k dev and COCO pooled); other models share these scales approximately
+COEFFICIENTS = (-3.5415, -0.4150, -4.2210)  # bias, typicality, mean log-probability per word
+RISK_THRESHOLD = 0.65  # P(bad) above this: the result is warned (study: 7.4 % of dev, 60 % COCO)
+UNFAMILIAR = 0.05  # familiarity below this: the warning says the photo is unlike the training
+TYPICAL_LOG_PROB = -0.72  # median mean log-prob per word on Flickr8k dev: below, "unsure"
+UNLIKE = "the photo is unlike the training photos"  # the reasons a warning gives
+UNSURE = "the model is unsure of its words"
+WARNING = f"{UNLIKE}; the caption may be wrong"
+UNSURE_WARNING = f"{UNSURE}; the caption may be wrong"
+BOTH_WARNING = f"{UNLIKE} and {UNSURE}; the caption may be wrong"
 CALIBRATION_PHOTOS = 2000  # at most this many index photos calibrate (evenly spaced; ~0.5 s)
 _CHUNK = 500  # calibration rows scored at once: a (500, N) similarity matrix
 
@@ -47,16 +72,21 @@ class Familiarity:
     """
 
     def __init__(
-        self, index: ConsensusIndex, neighbours: int = NEIGHBOURS, threshold: float = THRESHOLD
+        self,
+        index: ConsensusIndex,
+        neighbours: int = NEIGHBOURS,
+        threshold: float = RISK_THRESHOLD,
+        coefficients: tuple[float, float, float] = COEFFICIENTS,
     ):
         n = len(index.references)
         if n < 2:
             raise ValueError(f"familiarity needs an index of at least 2 photos, not {n}")
         if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"the familiarity threshold must be in [0, 1], not {threshold}")
+            raise ValueError(f"the warning's risk threshold must be in [0, 1], not {threshold}")
         self.index = index
         self.neighbours = max(1, min(neighbours, n - 1))  # leave-one-out leaves n - 1
         self.threshold = threshold
+        self.coefficients = coefficients
         self._reference: np.ndarray | None = None
         self._lock = threading.Lock()
 
@@ -95,11 +125,36 @@ class Familiarity:
         """Pooled grids (B, D) -> (B,) familiarity in [0, 1]."""
         return self.calibrate(self.similarity(embeddings))
 
-    def warning(self, familiarity: float | None) -> str | None:
-        """``WARNING`` for a familiarity below the threshold, else None."""
-        if familiarity is None or familiarity >= self.threshold:
+    def typicality(self, similarity: np.ndarray) -> np.ndarray:
+        """Similarities on the index's own scale: (s - the calibration's median) / its
+        interquartile range (0: as similar as the median training photo to its neighbour)."""
+        q25, median, q75 = np.quantile(self.reference(), [0.25, 0.5, 0.75])
+        return (np.asarray(similarity, np.float64) - median) / max(q75 - q25, 1e-12)
+
+    def risk(self, similarity: np.ndarray, log_prob_per_word: np.ndarray) -> np.ndarray:
+        """P(a bad caption) from the similarity and the caption's mean log-probability per word
+        (``COEFFICIENTS``). A NaN log-probability counts as typical, -inf as unsure."""
+        lp = np.asarray(log_prob_per_word, np.float64)
+        lp = np.nan_to_num(lp, nan=TYPICAL_LOG_PROB, neginf=-1e3, posinf=0.0)
+        b0, b1, b2 = self.coefficients
+        return 1.0 / (1.0 + np.exp(-(b0 + b1 * self.typicality(similarity) + b2 * lp)))
+
+    def warning(
+        self, familiarity: float | None, risk: float | None, log_prob_per_word: float | None
+    ) -> str | None:
+        """The result's warning when ``risk`` exceeds the threshold, saying why; else None."""
+        if familiarity is None or risk is None or not risk > self.threshold:
             return None
-        return WARNING
+        unlike = familiarity < UNFAMILIAR
+        unsure = not unlike or not (
+            log_prob_per_word is not None and log_prob_per_word >= TYPICAL_LOG_PROB
+        )
+        return BOTH_WARNING if unlike and unsure else WARNING if unlike else UNSURE_WARNING
+
+
+def log_prob_per_word(log_prob: float, words: int) -> float:
+    """A caption's mean log-probability per word, ``<end>`` counted as a word (as scored)."""
+    return float(log_prob) / (words + 1)
 
 
 _SCORERS: weakref.WeakKeyDictionary[ConsensusIndex, Familiarity] = weakref.WeakKeyDictionary()

@@ -31,7 +31,7 @@ class CaptionResult:
     attention: np.ndarray  # (len(words), grid, grid): where the model looked for each word
     locations: list[tuple[int, int]] | None  # hard attention: (row, col) chosen for each word
     beams: list[tuple[str, float]]  # the beam's captions with their scores, best first
-    warning: str | None = None  # e.g. a 1x1 photo, or an unfamiliar one: the caption may be wrong
+    warning: str | None = None  # e.g. a 1x1 photo, an unfamiliar one or an unsure caption
     familiarity: float | None = None  # 0..1, how much the photo looks like the training photos
     # (familiarity.py); None for a model without a consensus index
 
@@ -136,20 +136,26 @@ class Captioner:
 
     @torch.inference_mode()
     def caption_annotations(self, annotations: torch.Tensor, **decoding) -> list[CaptionResult]:
-        """Annotation grids (B, L, D) -> their results, each with its familiarity (and its
-        warning when the photo is unlike the training photos) if the model has an index."""
+        """Annotation grids (B, L, D) -> their results, each with its familiarity if the model
+        has an index, and then a warning when familiarity and the caption's mean log-probability
+        per word together say the caption is likely wrong (familiarity.py)."""
         cfg = self.decoding.with_overrides(**decoding)
         with self._autocast():
             hypotheses = self.model.generate(annotations, cfg)
         g = self.model.grid
         scorer = familiarity.for_index(self.model.consensus)
-        known = (
-            scorer.score(ConsensusIndex.pool(annotations)).tolist()
-            if scorer is not None
-            else [None] * len(hypotheses)
-        )
+        per_word = [
+            familiarity.log_prob_per_word(h[0].log_prob, len(self.model.words(h[0])))
+            for h in hypotheses
+        ]
+        if scorer is not None:
+            similarity = scorer.similarity(ConsensusIndex.pool(annotations))
+            known = scorer.calibrate(similarity).tolist()
+            risks = scorer.risk(similarity, np.asarray(per_word)).tolist()
+        else:
+            known = risks = [None] * len(hypotheses)
         results = []
-        for hyps, fam in zip(hypotheses, known, strict=True):
+        for hyps, fam, risk, lp in zip(hypotheses, known, risks, per_word, strict=True):
             best = hyps[0]
             words = self.model.words(best)
             locs = None
@@ -164,7 +170,7 @@ class Captioner:
                     attention=best.alphas.float().cpu().numpy().reshape(len(words), g, g),
                     locations=locs,
                     beams=[(" ".join(self.model.words(h)), h.score) for h in hyps],
-                    warning=scorer.warning(fam) if scorer is not None else None,
+                    warning=scorer.warning(fam, risk, lp) if scorer is not None else None,
                     familiarity=fam,
                 )
             )
