@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 from conftest import COCO_SUBSET, SHARED, needs_coco_subset
+from helpers.marks import needs_java
 
-from showattendtell import metrics
 from showattendtell.attention_correctness import (
     BIGRAM_TO_CATEGORY,
     COCO_CATEGORIES,
@@ -26,7 +26,6 @@ from showattendtell.attention_correctness import (
 )
 from showattendtell.cli import main
 
-needs_java = pytest.mark.skipif(not metrics.java_available(), reason="Java is not installed")
 COCO_TRAIN_MINI = SHARED / "data" / "coco2017_train_mini"
 needs_train_mini = pytest.mark.skipif(
     not (COCO_TRAIN_MINI / "annotations" / "instances_train2017.json").is_file(),

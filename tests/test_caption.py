@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import csv
 import json
 import os
@@ -9,23 +10,41 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import COCO_SUBSET, needs_coco_subset
+from helpers.processes import default_sigint
 from PIL import Image
+from showattendtell.service.uploads import EXAMPLES_DIR
 
 from showattendtell.caption_output import scan_output
 from showattendtell.cli import main
 from showattendtell.commands.caption import overlay_names
 
-pytestmark = needs_coco_subset
+_PHOTOS = Path(tempfile.mkdtemp(prefix="sat-test-photos-"))
+atexit.register(shutil.rmtree, _PHOTOS, ignore_errors=True)
 
 
 def photos(n: int) -> list[Path]:
-    return sorted((COCO_SUBSET / "images").glob("*.jpg"))[:n]
+    """n distinct real photos, made from the example photos that ship with the service (crops at
+    other offsets, some mirrored), so these tests need no data outside the repository."""
+    sources = sorted(EXAMPLES_DIR.glob("*.jpg"))
+    made = []
+    for i in range(n):
+        path = _PHOTOS / f"photo_{i:02d}.jpg"
+        if not path.is_file():
+            im = Image.open(sources[i % len(sources)]).convert("RGB")
+            shift = 0.04 * (i // len(sources))
+            w, h = im.size
+            im = im.crop((int(w * shift), int(h * shift / 2), w - int(w * shift / 2), h))
+            if (i // len(sources)) % 2:
+                im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            im.save(path, quality=90)
+        made.append(path)
+    return made
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -219,16 +238,10 @@ def test_resume_drops_truncated_line(tiny_model_file, tmp_path, monkeypatch, cap
     assert main(["caption", *names, "-o", "out.jsonl", "--resume", *model]) == 2
 
 
-def _default_sigint() -> None:
-    # A shell's background job (nohup, `cmd &`) starts with SIGINT ignored, and Python then
-    # installs no KeyboardInterrupt handler: give the child the Ctrl-C a terminal user has.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "showattendtell.cli", "caption", *args],
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, text=True, preexec_fn=_default_sigint)
+                            start_new_session=True, text=True, preexec_fn=default_sigint)
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, SHARED
+from helpers.processes import default_sigint
 
 from showattendtell.cli import main
 from showattendtell.distributed import share_batches
@@ -44,13 +45,6 @@ def sat_caption(args: list[str], cwd: Path, mark: str = "", **popen) -> subproce
     return subprocess.Popen([sys.executable, "-m", "showattendtell.cli", "caption", *args],
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=default_sigint, **popen)
-
-
-def default_sigint() -> None:
-    """Ctrl-C acts in the child as in a terminal's: an ignored SIGINT is inherited through exec,
-    and some library in the test process may have left it ignored (then Python installs no
-    KeyboardInterrupt handler and the run never stops)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finished(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.processes import default_sigint
 
 from showattendtell.cli import main
 
@@ -196,12 +197,6 @@ def test_train_with_a_missing_config_says_so_first(tmp_path, capsys):
     assert err.startswith("error: ") and "usage:" not in err
 
 
-def _default_sigint() -> None:  # a background job starts with SIGINT ignored; undo that
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(stop, synthetic_flickr,
@@ -227,7 +222,7 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(stop, synthe
     # second this test waits before it presses Ctrl-C
     proc = subprocess.Popen([sys.executable, "-m", "showattendtell.cli", *args], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=_default_sigint)
+                            start_new_session=True, preexec_fn=default_sigint)
     last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 300
     while not last.is_file() and proc.poll() is None and time.monotonic() < deadline:

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -23,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import write_flickr8k_folder
+from helpers.processes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -183,19 +183,13 @@ def _finite_train_nll(run_dir: Path) -> list[float]:
     return values
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_hard_attention_under_torchrun(ddp_run, flickr):
     """Hard attention (REINFORCE) on 2 processes started by torchrun, as the several-nodes
     command of docs/training.md does (here one node): Lightning takes rank and world size from
     torchrun's environment and starts no process of its own."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                 "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m"]
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m"]
     proc = sat_train(tiny(flickr, "runs/hard", *DDP, "--trainer.num_nodes", "1",
                           "--trainer.max_epochs", "1", "--model.decoder.attention", "hard"),
                      ddp_run.work, launcher=torchrun)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 from conftest import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k, write_flickr8k_folder
+from helpers.marks import needs_java
 
 from showattendtell import metrics
 from showattendtell.cli import main
 
-needs_java = pytest.mark.skipif(not metrics.java_available(), reason="Java is not installed")
 KEYS = ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"]
 REPETITION = ["repeated_bigram_captions", "mean_words"]
 

@@ -7,11 +7,10 @@ import io
 import logging
 
 import pytest
+from helpers.marks import needs_java
 
 from showattendtell import metrics
 from showattendtell.metrics import MetricsError, score_captions
-
-needs_java = pytest.mark.skipif(not metrics.java_available(), reason="Java is not installed")
 
 PREDICTIONS = {
     "1": "A man riding a wave on top of a surfboard.",

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from helpers import encode_captions
+from helpers.marks import needs_java
 from synthetic import make_dataset
 
 from showattendtell.decoder import DecoderConfig
@@ -10,7 +11,7 @@ from showattendtell.decoding import END, PAD, START, UNK, sample_captions
 from showattendtell.encoder import EncoderConfig
 from showattendtell.lit_module import CaptionModule
 from showattendtell.losses import soft_attention_loss
-from showattendtell.metrics import CiderDReward, MeteorReward, java_available
+from showattendtell.metrics import CiderDReward, MeteorReward
 from showattendtell.model import DecodingConfig
 from showattendtell.objectives import ObjectiveConfig
 from showattendtell.vocab import Vocabulary
@@ -20,7 +21,6 @@ REFS = [["a dog runs on the grass", "a brown dog running", "the dog plays outsid
         ["two kids play in water", "children splash in a pool", "kids swimming"]]
 CANDS = ["a dog runs on grass", "a man riding a bike on the road", "kids play in the pool"]
 
-needs_java = pytest.mark.skipif(not java_available(), reason="Java is not installed (METEOR)")
 
 
 def test_cider_reward_is_the_toolkit_cider_with_the_corpus_idf():

@@ -2,7 +2,7 @@
 under its bound, old uploads go, sessions are bounded. The soak benchmark
 (benchmarks/service_soak.py) measures the same on thousands of requests."""
 
-# ruff: noqa: F811 (the shared fixtures imported from service_helpers are parameters)
+# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 gr = pytest.importorskip("gradio")
-from service_helpers import free_port, photo, service, tiny_expected_file  # noqa: E402, F401 (fixtures)
+from helpers.service import free_port, photo, service, tiny_expected_file  # noqa: E402, F401 (fixtures)
 from showattendtell.service.app import launch  # noqa: E402
 from showattendtell.service.cache import CacheBound  # noqa: E402
 from showattendtell.service.worker import CaptionService  # noqa: E402

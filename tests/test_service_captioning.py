@@ -2,7 +2,7 @@
 uploads.py): real photos and odd files, the API's JSON, decoding options, batching, consensus
 beams and familiarity."""
 
-# ruff: noqa: F811 (the shared fixtures imported from service_helpers are parameters)
+# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from showattendtell.decoding import MAX_BEAM_SIZE, MAX_CAPTION_LENGTH, DecodingE
 from showattendtell.images import ImageError, full_size
 
 gr = pytest.importorskip("gradio")
-from service_helpers import (  # noqa: E402, F401 (fixtures)
+from helpers.service import (  # noqa: E402, F401 (fixtures)
     EXPECTED,
     bad_inputs,
     indexed_service,

@@ -1,7 +1,7 @@
 """The live service: the /caption API through gradio_client against a server on 127.0.0.1
 (with and without a login), and a real headless Chromium session on the page."""
 
-# ruff: noqa: F811 (the shared fixtures imported from service_helpers are parameters)
+# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 gr = pytest.importorskip("gradio")
-from service_helpers import (  # noqa: E402, F401 (fixtures)
+from helpers.service import (  # noqa: E402, F401 (fixtures)
     EXPECTED,
     bad_inputs,
     free_port,

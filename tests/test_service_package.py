@@ -1,7 +1,7 @@
 """The service as a package: the example photos it ships, its modules, and the documented
 `sat serve` options."""
 
-# ruff: noqa: F811 (the shared fixtures imported from service_helpers are parameters)
+# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from PIL import Image
 from showattendtell.cli import build_parser
 
 pytest.importorskip("gradio")
-from service_helpers import ROOT  # noqa: E402
+from helpers.service import ROOT  # noqa: E402
 from showattendtell.service.auth import AUTH_ENV  # noqa: E402
 from showattendtell.service.uploads import EXAMPLES_DIR, find_examples  # noqa: E402
 

@@ -1,7 +1,7 @@
 """`sat serve` (service/serve.py, service/auth.py): options, models, logins, the busy port, and
 the decoding flags made from decoding.py's option table."""
 
-# ruff: noqa: F811 (the shared fixtures imported from service_helpers are parameters)
+# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from showattendtell.cli import build_parser, main
 from showattendtell.decoding import DECODING_OPTIONS
 
 pytest.importorskip("gradio")
-from service_helpers import ROOT, tiny_expected_file  # noqa: E402, F401 (fixtures)
+from helpers.service import ROOT, tiny_expected_file  # noqa: E402, F401 (fixtures)
 from showattendtell.service.auth import (  # noqa: E402
     AUTH_ENV,
     AuthError,

@@ -2,7 +2,7 @@
 handlers' outputs, the controls made from the option table, the events' wiring, overlays, the
 colour scale and flat maps."""
 
-# ruff: noqa: F811 (the shared fixtures imported from service_helpers are parameters)
+# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from PIL import Image
 from showattendtell.decoding import DECODING_OPTIONS, MAX_BEAM_SIZE, MAX_CAPTION_LENGTH
 
 gr = pytest.importorskip("gradio")
-from service_helpers import (  # noqa: E402, F401 (fixtures)
+from helpers.service import (  # noqa: E402, F401 (fixtures)
     black,
     indexed_service,
     photo,

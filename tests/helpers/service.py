@@ -8,7 +8,6 @@ no data outside the repository.
 from __future__ import annotations
 
 import io
-import socket
 import struct
 import zlib
 from pathlib import Path
@@ -20,6 +19,8 @@ from PIL import Image
 from showattendtell.service.app import launch
 from showattendtell.service.uploads import EXAMPLES_DIR, find_examples
 from showattendtell.service.worker import CaptionService, load_service
+
+from helpers.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,12 +36,6 @@ def black(size: tuple[int, int] = (160, 120)) -> Image.Image:
 
 def white_pixels(image: Image.Image) -> int:
     return int(np.all(np.asarray(image.convert("RGB")) == 255, axis=-1).sum())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def png_bomb(width: int = 20000, height: int = 20000) -> bytes:
