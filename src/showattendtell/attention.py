@@ -38,10 +38,8 @@ class AdditiveAttention(nn.Module):
         shift shared by all L scores, so alpha and its gradients are the same. Why: on a CPU
         torch's tanh is far slower than its sigmoid, and this form makes 2 fewer passes over
         the (N, L, A) tensor than 2 sigmoid(2x) - 1; at inference on a CPU the images are also
-        taken a few at a time (``CPU_SCORE_BYTES``), so that the tensor stays in the cache. Measured
-        on this project's CPU (AVX-512, one thread; alternated, medians), this call for one
-        beam-3 step of 16 / 32 images: with torch.tanh 6.3 / 13.4 ms, with 2 sigmoid(2x) - 1
-        4.7 / 10.9 ms, this form in one piece 2.8 / 5.7 ms, in pieces 1.7 / 3.1 ms.
+        taken a few at a time (``CPU_SCORE_BYTES``), so that the tensor stays in the cache
+        (about 4x faster than torch.tanh for a beam-3 step: benchmarks/README.md).
         """
         G, L, A = projected.shape
         u = hidden_proj.view(G, beams, 1, A)

@@ -327,7 +327,7 @@ class Encoder(nn.Module):
         self.stages = nn.ModuleList(build(config, load_weights))
         self.pool = nn.AdaptiveAvgPool2d(config.grid_size) if config.grid_size else nn.Identity()
         self.set_fine_tuning(config.fine_tune_stages)
-        # channels-last convolutions: measured 5.5 -> 7.4 img/s for ResNet-50 on 2 CPU cores
+        # channels-last convolutions: faster on CPUs (oneDNN's preferred layout) and GPUs
         self.to(memory_format=torch.channels_last)
         self.train(False)
 

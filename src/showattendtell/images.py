@@ -56,8 +56,8 @@ def open_image(
     Handles EXIF orientation, the first frame of animations, CMYK, 16-bit greyscale and
     transparency (composited on white). Anything else raises ImageError. ``min_size``: a JPEG
     may be decoded at 1/2, 1/4 or 1/8 of its size as long as both sides stay >= min_size
-    (libjpeg's DCT scaling, PIL's ``draft``, as ``Image.thumbnail`` does): a 12-megapixel
-    photo for a 260 px encoder decodes in 12.5 ms instead of 105 (one core); photos under
+    (libjpeg's DCT scaling, PIL's ``draft``, as ``Image.thumbnail`` does), several times faster
+    for a phone photo; photos under
     twice min_size on a side (COCO's, Flickr's) decode at full size.
     """
     if isinstance(source, Image.Image):

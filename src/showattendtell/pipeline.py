@@ -54,11 +54,9 @@ def default_workers(device: torch.device | str = "cpu") -> int:
     On a GPU: one per core, at most 4, so that decoding keeps up with the GPU. On a CPU: none
     up to 8 cores (the main thread decodes a batch when a lane is free to take it). The CNN
     already keeps every core busy there, so worker processes add no parallelism, only their
-    start and the copy-on-write page faults of forked processes: on 2 cores, 120k-150k faults
-    and 0.45 s of kernel time per 120-photo run, against 27k and 0.08 s without them;
-    alternated in one process (6 rounds, medians), beam 3 went from 35.1 to 37.5 img/s and
-    greedy from 39.5 to 43.3. Beyond 8 cores one thread decoding (about 3 ms a photo) would
-    fall behind the CNN, hence one worker per 8 cores, at most 4.
+    start and the copy-on-write page faults of forked processes, which made captioning slower
+    (benchmarks/caption_throughput.py). Beyond 8 cores one thread decoding would fall behind the
+    CNN, hence one worker per 8 cores, at most 4.
     """
     cores = os.cpu_count() or 1
     if torch.device(device).type == "cpu":
@@ -89,9 +87,8 @@ def in_lanes(fn: Callable[[T], U], items: Iterable[T], lanes: int) -> Iterator[U
     threads that share the CPU threads between them.
 
     Why: the search's small per-word matmuls keep two threads only half busy; in lanes, one
-    batch's CNN runs while another's search does (measured with
-    benchmarks/caption_throughput.py on 2 cores: captioning 1.3x faster in 2 lanes than in
-    1, the encoder alone 1.4x). Torch releases the GIL inside its operators, so
+    batch's CNN runs while another's search does (benchmarks/caption_throughput.py measures
+    one lane against two). Torch releases the GIL inside its operators, so
     threads suffice; with one lane this is a plain loop. The caller's grad mode
     (``torch.inference_mode``, ``torch.no_grad``), which torch keeps per thread, holds in the
     lanes too.
