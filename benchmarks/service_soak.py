@@ -30,17 +30,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from service_latency import free_port  # run as a script: benchmarks/ is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PHOTOS = ROOT.parent / "shared/data/flickr8k/images"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def generate_photos(folder: Path, n: int, size: int = 480, seed: int = 0) -> list[Path]:

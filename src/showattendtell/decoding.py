@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from showattendtell.decoder import Decoder
 from showattendtell.errors import UsageError
-
-PAD, START, END, UNK = 0, 1, 2, 3
+from showattendtell.vocab import END, PAD, START, UNK
 
 HARD_MODES = ("argmax", "sample", "expectation")  # hard attention at inference
 RERANKERS = ("none", "consensus")  # how the beam's finished captions are ranked (consensus.py)

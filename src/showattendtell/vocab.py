@@ -8,8 +8,10 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
-SPECIALS = (PAD, START, END, UNK)
+# The special tokens' indices, the same in every vocabulary (the search and the losses use them),
+# and their words at those indices.
+PAD, START, END, UNK = 0, 1, 2, 3
+SPECIALS = ("<pad>", "<start>", "<end>", "<unk>")
 
 # The punctuation tokens the COCO caption toolkit (pycocoevalcap's PTBTokenizer) removes.
 PUNCTUATION = {
@@ -45,10 +47,10 @@ class Vocabulary:
         if len(self.stoi) != len(self.itos):
             raise ValueError("a vocabulary must not repeat words")
 
-    pad = property(lambda self: 0)
-    start = property(lambda self: 1)
-    end = property(lambda self: 2)
-    unk = property(lambda self: 3)
+    pad = property(lambda self: PAD)
+    start = property(lambda self: START)
+    end = property(lambda self: END)
+    unk = property(lambda self: UNK)
 
     def __len__(self) -> int:
         return len(self.itos)
@@ -72,10 +74,10 @@ class Vocabulary:
             i = int(i)
             if i == self.end:
                 break
-            if i >= 4:
+            if i >= len(SPECIALS):
                 words.append(self.itos[i])
             elif i == self.unk:
-                words.append(UNK)
+                words.append(SPECIALS[UNK])
         return words
 
     def to_json(self) -> str:
