@@ -45,7 +45,7 @@ def sat_train(args: list[str], cwd: Path, launcher: list[str] | None = None,
     cmd = [*launcher, "showattendtell.cli", "train", *args]
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stderr[-12000:]}"
     return proc
 
 
@@ -149,7 +149,7 @@ def test_validation_scores_each_image_once_on_every_rank_as_one_process(ddp_run,
                *tiny(flickr, "runs/validate", *devices)]
         proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True,
                               timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert proc.returncode == 0, proc.stderr[-12000:]
     rank0, rank1, single = (json.loads((work / f"val-{n}.json").read_text())
                             for n in ("2-0", "2-1", "1-0"))
     assert rank0["seen"] + rank1["seen"] == N_DEV + 1 and single["seen"] == N_DEV
