@@ -82,7 +82,7 @@ def test_fixed_shape_training_gives_the_shrinking_batch_values_and_gradients():
                 a,
                 caps,
                 lengths,
-                mode="forced" if attention == "hard" else "soft",
+                mode="forced" if attention == "hard" else "expectation",
                 locations=locs,
                 fixed_shape=fixed,
             )

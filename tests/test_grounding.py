@@ -283,7 +283,8 @@ def _attention_on_the_person(weight: float, attention: str = "soft", epochs: int
         ]
     )
     with torch.no_grad():
-        alphas = dec.eval()(test["inputs"], test["captions"], test["lengths"], mode="soft").alphas
+        out = dec.eval()(test["inputs"], test["captions"], test["lengths"], mode="expectation")
+        alphas = out.alphas
     return float(alphas[torch.arange(len(rows)), 0, cells].mean())
 
 

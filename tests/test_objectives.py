@@ -192,14 +192,14 @@ def test_attention_entropy_penalty_counts_each_word_once_and_sharpens_the_attent
 
     def mean_entropy(dec):
         with torch.no_grad():
-            out = dec(a, caps, lengths, mode="soft")
+            out = dec(a, caps, lengths, mode="expectation")
         return float(attention_entropy_per_caption(out.alphas).sum() / lengths.sum())
 
     def trained(entropy):
         dec = small_decoder(seed=4)
         opt = torch.optim.SGD(dec.parameters(), lr=0.1)
         for _ in range(30):
-            out = dec(a, caps, lengths, mode="soft")
+            out = dec(a, caps, lengths, mode="expectation")
             terms = soft_attention_loss(out, a.size(0), lam=0.0, entropy=entropy)
             opt.zero_grad()
             terms.loss.backward()
@@ -207,7 +207,7 @@ def test_attention_entropy_penalty_counts_each_word_once_and_sharpens_the_attent
         return dec
 
     start = mean_entropy(small_decoder(seed=4))
-    out = small_decoder(seed=4)(a, caps, lengths, mode="soft")
+    out = small_decoder(seed=4)(a, caps, lengths, mode="expectation")
     plain = soft_attention_loss(out, a.size(0), lam=0.0)
     with_penalty = soft_attention_loss(out, a.size(0), lam=0.0, entropy=0.5)
     assert torch.allclose(with_penalty.loss - plain.loss,
@@ -247,7 +247,7 @@ def test_label_smoothing_is_the_smoothed_targets_cross_entropy_and_leaves_the_li
     from showattendtell.objectives import ObjectiveConfig as O
 
     a, caps, lengths = make_batch()
-    out = small_decoder(seed=4)(a, caps, lengths, mode="soft")
+    out = small_decoder(seed=4)(a, caps, lengths, mode="expectation")
     plain = soft_attention_loss(out, a.size(0), lam=0.0)
     smoothed = soft_attention_loss(out, a.size(0), lam=0.0, label_smoothing=0.1)
     logp = torch.log_softmax(out.logits.float(), -1)  # (N, V) one row per target word

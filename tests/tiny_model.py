@@ -38,7 +38,7 @@ def train_tiny_model(path: Path, steps: int = 100, attention: str = "soft", seed
     opt = torch.optim.Adam(model.decoder.parameters(), lr=5e-3)
     for _ in range(steps):
         idx = torch.randint(0, len(examples), (32,))
-        out = model.decoder(feats[idx], caps[idx], lengths[idx], mode="soft")
+        out = model.decoder(feats[idx], caps[idx], lengths[idx], mode="expectation")
         loss = soft_attention_loss(out, 32, 0.0).loss
         opt.zero_grad()
         loss.backward()

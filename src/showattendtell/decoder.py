@@ -36,6 +36,12 @@ from showattendtell.attention import (
     sample_locations,
 )
 
+# How a step turns alpha_t into the context z_t, the one vocabulary of attention modes: the most
+# likely location, one sampled from alpha_t, the expected context (soft attention; hard attention
+# decoded as the authors' sampler does), or a location given (teacher-forced hard training). The
+# first three are a hard model's --hard-mode; "forced" is for training only.
+CONTEXT_MODES = ("argmax", "sample", "expectation", "forced")
+
 
 @dataclass
 class DecoderConfig:
@@ -173,11 +179,11 @@ class Decoder(nn.Module):
         """Attend and update the LSTM for one word.
 
         gate_x is the input part of the gates, (B, 4H): the embedding's (and with attend
-        "after" the mean annotation's). mode: "soft" (expected context), "sample" (hard, s_t ~
-        alpha_t), "argmax" (hard, most likely location) or "forced" (hard, s_t given in
-        ``locations``). ``beams`` > 1: rows come in groups of that many per image of
-        ``projected`` / ``annotations`` (see DecoderState). Returns h, c, z, alpha, s_t (None
-        for soft).
+        "after" the mean annotation's). mode (one of CONTEXT_MODES): "expectation" (the expected
+        context, soft attention), "sample" (hard, s_t ~ alpha_t), "argmax" (hard, most likely
+        location) or "forced" (hard, s_t given in ``locations``). ``beams`` > 1: rows come in
+        groups of that many per image of ``projected`` / ``annotations`` (see DecoderState).
+        Returns h, c, z, alpha, s_t (None for the expected context).
         """
         H = self.config.hidden_dim
         hp = self.hidden_proj(h)
@@ -213,7 +219,7 @@ class Decoder(nn.Module):
     ):
         """z_t, alpha_t and s_t (None for soft) from U_a h and f_beta(h) (pre-bias)."""
         alpha = self.attention.weights(projected, att_h, beams)
-        if mode == "soft":
+        if mode == "expectation":
             if beams == 1:
                 s, context = None, expected_context(alpha, annotations)
             else:
@@ -295,9 +301,7 @@ class Decoder(nn.Module):
         the most likely one (hard_mode "argmax") or a sampled one ("sample"); "expectation" gives
         it the expected context instead (how the authors' released sampler decodes).
         """
-        mode = (
-            "soft" if self.config.attention == "soft" or hard_mode == "expectation" else hard_mode
-        )
+        mode = "expectation" if self.config.attention == "soft" else hard_mode
         emb = self.embedding(prev_words)  # (N, E)
         gate_x = self.gate_embed(emb) if state.word_gates is None else state.word_gates[prev_words]
         if state.image_gates is not None:  # (N / beams, 4H): each image's row for its beams
@@ -323,12 +327,12 @@ class Decoder(nn.Module):
         annotations: torch.Tensor,
         captions: torch.Tensor,
         lengths: torch.Tensor,
-        mode: str = "soft",
+        mode: str = "expectation",
         locations: torch.Tensor | None = None,
         fixed_shape: bool | None = None,
     ) -> TeacherForcedOutput:
         """Teacher-forced pass. captions (B, T+1) = <start> w1 .. wn <end> <pad>..;
-        lengths (B,) = n + 1 predicted tokens per caption. mode: "soft", "sample" (hard
+        lengths (B,) = n + 1 predicted tokens per caption. mode: "expectation", "sample" (hard
         training) or "forced" (hard, with s_t from ``locations`` (B, T)).
 
         Two recurrences, the same values: ``fixed_shape`` runs every caption for all T steps

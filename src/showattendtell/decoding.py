@@ -17,11 +17,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from showattendtell.decoder import Decoder
+from showattendtell.decoder import CONTEXT_MODES, Decoder
 from showattendtell.errors import UsageError
 from showattendtell.vocab import END, PAD, START, UNK
 
-HARD_MODES = ("argmax", "sample", "expectation")  # hard attention at inference
+HARD_MODES = CONTEXT_MODES[:3]  # how a hard model attends at inference (--hard-mode)
 RERANKERS = ("none", "consensus")  # how the beam's finished captions are ranked (consensus.py)
 MAX_BEAM_SIZE = 20  # beam 500 runs for minutes at 8.6 GB: a limit, not a surprise
 MAX_CAPTION_LENGTH = 100

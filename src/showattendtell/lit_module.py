@@ -278,7 +278,7 @@ class CaptionModule(L.LightningModule):
             return
         a = self.annotations(batch["inputs"])
         B = a.size(0)
-        out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="soft")
+        out = self.model.decoder(a, batch["captions"], batch["lengths"], mode="expectation")
         self.log("val/nll", soft_attention_loss(out, B, 0.0).nll, batch_size=B, sync_dist=True)
         hyps = self.model.generate(a, self.val_decoding)
         ds = self.trainer.datamodule.val_set

@@ -237,7 +237,7 @@ class MaximumLikelihood(Objective):
         self.grounding = grounding or GroundingConfig()
 
     def forward(self, model, annotations, batch):
-        out = model.decoder(annotations, batch["captions"], batch["lengths"], mode="soft")
+        out = model.decoder(annotations, batch["captions"], batch["lengths"], mode="expectation")
         terms = soft_attention_loss(
             out,
             annotations.size(0),
@@ -281,7 +281,9 @@ class HardAttentionReinforce(Objective):
     def forward(self, model, annotations, batch):
         cfg, B = self.config, annotations.size(0)
         if random.random() < cfg.expectation_prob:  # the soft pass of the same network
-            out = model.decoder(annotations, batch["captions"], batch["lengths"], mode="soft")
+            out = model.decoder(
+                annotations, batch["captions"], batch["lengths"], mode="expectation"
+            )
             terms = soft_attention_loss(out, B, 0.0)
             self._move_baseline(None, annotations.device)
             logs = {"nll": terms.nll, "caption_nll": -terms.log_likelihood.mean()}
@@ -379,7 +381,7 @@ class SelfCritical(Objective):
                 a,
                 sampled.captions,
                 sampled.lengths,
-                mode="forced" if hard else "soft",
+                mode="forced" if hard else "expectation",
                 locations=sampled.locations,
             )
         finally:
