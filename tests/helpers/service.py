@@ -22,7 +22,7 @@ from showattendtell.service.worker import CaptionService, load_service
 
 from helpers.processes import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def photo(i: int = 0) -> Path:
