@@ -92,6 +92,18 @@ class _ContinuedWriter(ExperimentWriter):
             writer.writerows(r for r in rows if kept(r))
         self.metrics_keys = sorted(keys)
 
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        """Lightning rewrites the file when a new metric appears; keep the columns the file
+        already has (the earlier run's validation scores) beside the new ones."""
+        with open(self.metrics_file_path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows, old = list(reader), list(reader.fieldnames or [])
+        self.metrics_keys[:] = sorted(set(fieldnames) | set(old))
+        with open(self.metrics_file_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
+            writer.writeheader()
+            writer.writerows(rows)
+
 
 class ContinuedCSVLogger(CSVLogger):
     """CSVLogger writing on in an existing version folder (see _ContinuedWriter)."""
