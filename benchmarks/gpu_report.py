@@ -18,10 +18,15 @@ batches. Parts, each also a field of the JSON line:
 - ``training``: benchmarks/train_throughput.py (ours and the peer) in float32 and bf16 at batch
   64 and 256, tokens/s;
 - ``sat_train``: a short `sat train` of configs/tiny.yaml on the photos (captioned by the model)
-  with ``--trainer.accelerator gpu --trainer.precision bf16-mixed`` on CUDA, seconds.
+  with ``--trainer.accelerator gpu --trainer.precision bf16-mixed`` on CUDA, seconds;
+- ``bulk``: `sat caption FOLDER -o FILE` over ``--bulk`` photos (the given ones, hard-linked
+  over and over into a temporary folder), bf16 on CUDA, batch 128, greedy and beam 3, with the
+  default decoding processes and with one per core: seconds to the first caption and images/s
+  once running (read off the output file as it grows).
 
 ``--quick`` makes every part as small as it gets (the test suite's smoke test on a CPU).
-About 5 minutes on one H100 with 120 photos.
+``--output FILE`` rewrites FILE with the report so far after each part (a run cut short keeps
+what it measured). ``--parts`` runs only the named parts.
 """
 
 from __future__ import annotations
@@ -80,8 +85,12 @@ def caption_all(captioner, paths: list[str], options: dict, batch: int = 32) -> 
     ]
 
 
-def decoding(paths: list[str], device: str, input_size: int, workers: int) -> dict[str, Any]:
-    """The image-decoding stage alone: files to resized uint8 tensors, images/s."""
+def decoding(paths: list[str], device: str, input_size: int, quick: bool) -> dict[str, Any]:
+    """The image-decoding stage alone: files to resized uint8 tensors, images/s, on one core
+    and in the pipeline's worker processes (one per core but one, batches of 128, timed from
+    the first batch on: a long run's rate, not the processes' start)."""
+    import os
+
     import torch
 
     from showattendtell.images import load_batches, load_image
@@ -93,9 +102,14 @@ def decoding(paths: list[str], device: str, input_size: int, workers: int) -> di
         load_image(p, input_size, normalised=False)
     out = {"one_core_images_per_s": round(len(paths) / (time.perf_counter() - t0), 1)}
     torch.set_num_threads(threads)
+    workers = 0 if quick else max(1, (os.cpu_count() or 1) - 1)
+    many = (paths * (-(-2048 // len(paths))))[: 8 if quick else 2048]
+    batches = load_batches(many, input_size, 4 if quick else 128, workers)
+    next(batches).decoded()  # the processes' start
     t0 = time.perf_counter()
-    n = sum(len(b.decoded()) for b in load_batches(paths, input_size, 32, workers))
+    n = sum(len(b.decoded()) for b in batches)
     out[f"{workers}_workers_images_per_s"] = round(n / (time.perf_counter() - t0), 1)
+    out["images_after_the_first_batch"] = n
     if device.startswith("cuda"):
         out["nvjpeg_batched_images_per_s"] = nvjpeg_rate(paths, input_size)
     return out
@@ -210,6 +224,86 @@ def sat_train(paths: list[str], device: str, quick: bool) -> dict[str, Any]:
         return out
 
 
+def bulk(paths: list[str], device: str, count: int, quick: bool, limit_s: float) -> dict[str, Any]:
+    """`sat caption FOLDER -o FILE` over ``count`` photos: seconds from the command to the first
+    caption, and images/s from then to the last (what a long run settles at). A run still going
+    after ``limit_s`` is stopped and its rate taken over what it captioned."""
+    import os
+
+    gpu = device.startswith("cuda")
+    cores = os.cpu_count() or 1
+    out: dict[str, Any] = {"images": count, "precision": "bf16" if gpu else "32"}
+    with tempfile.TemporaryDirectory(prefix="gpu_report_bulk_") as tmp:
+        folder = Path(tmp) / "photos"
+        folder.mkdir()
+        for i in range(count):
+            src = Path(paths[i % len(paths)])
+            dst = folder / f"{i:06d}{src.suffix.lower()}"
+            try:
+                os.link(src, dst)
+            except OSError:  # another file system: a copy
+                shutil.copy(src, dst)
+        runs = [("greedy", 1, None), ("beam3", 3, None)]
+        if not quick and cores > 4:
+            runs += [(f"greedy_{cores}_workers", 1, cores), (f"beam3_{cores}_workers", 3, cores)]
+        for name, beam, workers in runs:
+            cmd = [sys.executable, "-m", "showattendtell.cli", "caption", str(folder),
+                   "-o", str(Path(tmp) / f"{name}.jsonl"), "--device", device,
+                   "--precision", out["precision"], "--batch-size", "128",
+                   "--beam-size", str(beam)]  # fmt: skip
+            if workers is not None:
+                cmd += ["--workers", str(workers)]
+            out[name] = timed_bulk_run(cmd, Path(tmp) / f"{name}.jsonl", limit_s)
+    return out
+
+
+def timed_bulk_run(cmd: list[str], output: Path, limit_s: float) -> dict[str, Any]:
+    """Run ``cmd`` and watch ``output`` grow (each record is flushed as it is written)."""
+    import os
+    import signal
+
+    t0 = time.perf_counter()
+    # stderr to a file: a pipe nobody reads fills with the per-photo warnings and blocks the run
+    log = output.with_suffix(".stderr")
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+    first, stopped = None, False
+    while proc.poll() is None:
+        if first is None and output.exists() and output.stat().st_size > 0:
+            first = (time.perf_counter() - t0, lines(output))
+        if time.perf_counter() - t0 > limit_s:
+            stopped = True
+            end, done = time.perf_counter() - t0, lines(output)
+            os.killpg(proc.pid, signal.SIGKILL)  # its decoding processes too
+            proc.wait()
+            break
+        time.sleep(0.05)
+    if not stopped:
+        end = time.perf_counter() - t0
+        done = lines(output) if output.exists() else 0
+    stderr = log.read_text(errors="replace")
+    result: dict[str, Any] = {"exit": proc.returncode, "seconds": round(end, 2), "captioned": done}
+    if stopped:
+        result["stopped_after_s"] = limit_s
+    elif proc.returncode or first is None:
+        result["error"] = stderr.strip().splitlines()[-3:]
+    if first is None or "error" in result:
+        return result
+    t_first, n_first = first
+    result["first_caption_s"] = round(t_first, 2)
+    if end > t_first and done > n_first:
+        result["images_per_s_running"] = round((done - n_first) / (end - t_first), 1)
+    result["images_per_s_overall"] = round(done / end, 1)
+    return result
+
+
+def lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
 def captioning(images: str, device: str, quick: bool) -> dict[str, Any]:
     """benchmarks/caption_throughput.py per precision and batch size (its JSON fields)."""
     out = {}
@@ -237,6 +331,16 @@ def training(device: str, quick: bool) -> dict[str, Any]:
     return out
 
 
+def input_size(report: dict[str, Any]) -> int:
+    """The bundled model's input size: from the captioning part when it ran, else its file."""
+    sizes = [c["input_size"] for c in report.get("captioning", {}).values() if "input_size" in c]
+    if sizes:
+        return sizes[0]
+    from showattendtell.inference import load_model
+
+    return load_model(None, "cpu").input_size
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu")
@@ -247,7 +351,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="every part at its smallest: a smoke test, not a measurement",
     )
     ap.add_argument("--agreement-images", type=int, default=120)
+    ap.add_argument("--bulk", type=int, default=10_000, help="photos in the bulk part")
+    ap.add_argument(
+        "--bulk-limit-s",
+        type=float,
+        default=120.0,
+        help="a bulk run still going after this many seconds is stopped (its rate stands)",
+    )
+    ap.add_argument("--output", default=None, help="also write the report here, part by part")
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="the parts to run (default: all)",
+    )
     return ap.parse_args(argv)
+
+
+PARTS = ("agreement", "captioning", "training", "startup", "decoding", "sat_train", "bulk")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -268,16 +390,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "images": len(paths),
         "quick": q,
-        "agreement": agreement(paths, dev, 2 if q else args.agreement_images),
     }
-    report["captioning"] = captioning(args.images, dev, q)
-    input_size = next(
-        (c["input_size"] for c in report["captioning"].values() if "input_size" in c), 260
-    )
-    report["decoding"] = decoding(paths[:4] if q else paths, dev, input_size, 0 if q else 8)
-    report["startup"] = startup(paths[0], dev, 1 if q else 3)
-    report["training"] = training(dev, q)
-    report["sat_train"] = sat_train(paths, dev, q)
+    parts = {
+        "agreement": lambda: agreement(paths, dev, 2 if q else args.agreement_images),
+        "captioning": lambda: captioning(args.images, dev, q),
+        "decoding": lambda: decoding(paths[:4] if q else paths, dev, input_size(report), q),
+        "startup": lambda: startup(paths[0], dev, 1 if q else 3),
+        "training": lambda: training(dev, q),
+        "sat_train": lambda: sat_train(paths, dev, q),
+        "bulk": lambda: bulk(paths, dev, 8 if q else args.bulk, q, args.bulk_limit_s),
+    }
+    for name in PARTS:
+        if name not in args.parts:
+            continue
+        t0 = time.perf_counter()
+        try:
+            report[name] = parts[name]()
+        except Exception as e:  # noqa: BLE001 - one part failing must not lose the others
+            report[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        if args.output:
+            Path(args.output).write_text(json.dumps(report) + "\n")
     print(json.dumps(report), flush=True)
     return report
 

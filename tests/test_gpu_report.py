@@ -29,6 +29,9 @@ def test_gpu_report_runs_every_part_on_a_cpu():
     assert report["decoding"]["one_core_images_per_s"] > 0
     assert report["startup"]["median_s"] > 0
     assert report["sat_train"]["exit"] == 0, report["sat_train"]
+    for run in ("greedy", "beam3"):  # sat caption over a folder: every photo, timed
+        assert report["bulk"][run]["captioned"] == 8, report["bulk"]
+        assert report["bulk"][run]["first_caption_s"] > 0
 
 
 def test_train_benchmark_asks_to_be_run_as_a_module():
@@ -45,3 +48,18 @@ def test_train_benchmark_asks_to_be_run_as_a_module():
         "error: run this benchmark from the repository root as "
         "python -m benchmarks.train_throughput"
     ]
+
+
+def test_bulk_run_is_not_blocked_by_what_it_writes_to_stderr(tmp_path):
+    """`sat caption` warns once per unfamiliar photo; 10,000 warnings overflow a pipe."""
+    from benchmarks.gpu_report import timed_bulk_run
+
+    out = tmp_path / "out.jsonl"
+    script = (
+        "import sys, time; sys.stderr.write('warning\\n' * 100_000); sys.stderr.flush(); "
+        f"f = open({str(out)!r}, 'w'); f.write('a\\n'); f.flush(); time.sleep(0.3); "
+        "f.write('b\\nc\\n')"
+    )
+    result = timed_bulk_run([sys.executable, "-c", script], out, limit_s=60)
+    assert result["exit"] == 0 and result["captioned"] == 3, result
+    assert result["first_caption_s"] < result["seconds"]
