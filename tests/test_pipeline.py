@@ -36,8 +36,8 @@ def test_caption_files_keeps_every_input_in_order(tiny_model_file, tmp_path):
     assert [r.result.caption for r in records if r.result] == alone  # batches change nothing
 
 
-@pytest.mark.parametrize(("cores", "cpu", "gpu"), [(1, 0, 1), (2, 0, 2), (8, 0, 4), (16, 2, 4),
-                                                   (64, 4, 4)])
+@pytest.mark.parametrize(("cores", "cpu", "gpu"), [(1, 0, 1), (2, 0, 1), (8, 0, 7), (16, 2, 15),
+                                                   (64, 4, 16)])
 def test_images_decode_in_this_process_on_a_cpu_and_in_workers_for_a_gpu(monkeypatch, cores,
                                                                           cpu, gpu):
     monkeypatch.setattr(pipeline.os, "cpu_count", lambda: cores)

@@ -78,8 +78,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help=f"images per batch (default {DEFAULT_BATCH_SIZE})")
     p.add_argument("--workers", type=int, default=None,
-                   help="image-decoding processes (default: min(4, cores) on a GPU, 0 on a CPU "
-                        "with up to 8 cores; 0 decodes in the main process)")
+                   help="image-decoding processes (default: cores - 1, at most 16, on a GPU; 0 "
+                        "on a CPU with up to 8 cores; 0 decodes in the main process)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the network (default: torch's, one per core); 1 can be "
                         "much faster on a machine busy with other work")
