@@ -132,7 +132,11 @@ def _to_rgb(img: Image.Image) -> Image.Image:
 
 def image_warning(img: Image.Image) -> str | None:
     """Why a caption of this photo deserves little trust (None: no reason to think so)."""
-    w, h = img.size
+    return size_warning(*img.size)
+
+
+def size_warning(w: int, h: int) -> str | None:
+    """``image_warning`` for an upright photo of w x h pixels."""
     if min(w, h) < MIN_SIDE:
         return (f"the image is only {w}x{h} pixels (a side under {MIN_SIDE}): the caption is "
                 "little more than a guess")
@@ -223,6 +227,8 @@ class LoadedImage:
     tensor: torch.Tensor | None = None
     error: str | None = None  # without the path, which is its own field
     warning: str | None = None  # see image_warning
+    jpeg: torch.Tensor | None = None  # the file's bytes, to be decoded on the GPU (jpeg_device)
+    orientation: int = 1  # the JPEG's EXIF orientation, applied once it is decoded
 
 
 @dataclass
@@ -240,18 +246,54 @@ class ImageBatch:
         """(input index, "path: reason") of the inputs that did not decode."""
         return [(x.index, f"{x.path}: {x.error}") for x in self.items if x.error is not None]
 
+    def images(self, device: torch.device, input_size: int) -> torch.Tensor | None:
+        """The decoded images (N, 3, S, S) uint8 on ``device`` in ``decoded()`` order, with
+        the JPEGs left to the GPU (``jpeg_device``) decoded there. Call it before
+        ``decoded()``: a JPEG that neither the GPU nor the CPU can decode gets its error here."""
+        cpu = self.tensors
+        if cpu is not None:
+            cpu = cpu.to(device, non_blocking=device.type == "cuda")  # pinned: asynchronous
+        pending = [x for x in self.items if x.jpeg is not None and x.error is None]
+        if not pending:
+            return cpu
+        from showattendtell.jpeg_device import decode_jpegs
+
+        done = dict(zip(map(id, pending), decode_jpegs(pending, input_size, device), strict=True))
+        rest = iter(cpu if cpu is not None else ())
+        out = []
+        for x in self.items:
+            if x.jpeg is not None:  # None where it failed (its error is set now)
+                if done.get(id(x)) is not None:
+                    out.append(done[id(x)])
+            elif x.error is None:
+                out.append(next(rest))
+        return torch.stack(out) if out else None
+
+    def pin_memory(self) -> ImageBatch:
+        """Page-locked tensors (the DataLoader's pin-memory thread calls this), so that the
+        copy to the GPU runs while the GPU works."""
+        if self.tensors is not None:
+            self.tensors = self.tensors.pin_memory()
+        return self
+
 
 class ImageFiles(Dataset):
     """A map-style dataset over image paths whose items never raise: errors become records.
-    Its tensors are resized uint8 images (see ``normalise``)."""
+    Its tensors are resized uint8 images (see ``normalise``); with ``jpeg_on_device`` the
+    JPEGs the GPU decodes are only read (``jpeg_device.read_jpeg``)."""
 
-    def __init__(self, paths: Sequence[str | Path], input_size: int):
+    def __init__(self, paths: Sequence[str | Path], input_size: int, jpeg_on_device: bool = False):
         self.paths, self.input_size = [str(p) for p in paths], input_size
+        self.jpeg_on_device = jpeg_on_device
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int) -> LoadedImage:
+        if self.jpeg_on_device:
+            from showattendtell.jpeg_device import read_jpeg
+
+            return read_jpeg(self.paths[i], self.input_size, i)
         return load_image(self.paths[i], self.input_size, i, normalised=False)
 
 
@@ -298,11 +340,13 @@ def batch_indices(n: int, batch_size: int, lanes: int = 1) -> list[range]:
 
 
 def load_batches(paths: Sequence[str | Path], input_size: int, batch_size: int, workers: int,
-                 pin_memory: bool = False, lanes: int = 1) -> Iterator[ImageBatch]:
+                 pin_memory: bool = False, lanes: int = 1,
+                 jpeg_on_device: bool = False) -> Iterator[ImageBatch]:
     """Batches of decoded, resized uint8 images in input order, decoded by ``workers``
     processes (``normalise`` them where they are used); the last ``lanes`` batches share the
-    remainder (``batch_indices``)."""
-    loader = DataLoader(ImageFiles(paths, input_size),
+    remainder (``batch_indices``). ``jpeg_on_device``: JPEGs are left to
+    ``ImageBatch.images`` to decode on the GPU."""
+    loader = DataLoader(ImageFiles(paths, input_size, jpeg_on_device),
                         batch_sampler=batch_indices(len(paths), batch_size, lanes),
                         num_workers=workers, collate_fn=collate_images, pin_memory=pin_memory,
                         prefetch_factor=4 if workers else None, persistent_workers=False)

@@ -135,22 +135,24 @@ def in_lanes(fn: Callable[[T], U], items: Iterable[T], lanes: int) -> Iterator[U
 def encode_files(paths: Sequence[str | Path], encode: Callable[[torch.Tensor], torch.Tensor],
                  input_size: int, batch_size: int = DEFAULT_BATCH_SIZE, workers: int | None = None,
                  device: torch.device | str = "cpu", progress: Progress | None = None,
-                 lanes: int | None = None) -> Iterator[tuple[ImageBatch, Any]]:
+                 lanes: int | None = None,
+                 jpeg_on_device: bool = False) -> Iterator[tuple[ImageBatch, Any]]:
     """(batch, ``encode``'s output for its decoded images or None) for consecutive inputs, in
     input order; images are decoded by ``workers`` processes (default ``default_workers``;
     0: in this process) while ``lanes`` batches (default ``default_lanes``) are encoded at
-    once."""
+    once. ``jpeg_on_device``: JPEGs are decoded in batches on ``device`` (``jpeg_device``)."""
     device = torch.device(device)
     workers = default_workers(device) if workers is None else workers
     lanes = default_lanes(device) if lanes is None else lanes
     pin = device.type == "cuda"
 
     def run(batch: ImageBatch) -> tuple[ImageBatch, Any]:
-        if batch.tensors is None:
+        images = batch.images(device, input_size)
+        if images is None:
             return batch, None
-        return batch, encode(normalise(batch.tensors.to(device, non_blocking=pin)))
+        return batch, encode(normalise(images))
 
-    batches = load_batches(paths, input_size, batch_size, workers, pin, lanes)
+    batches = load_batches(paths, input_size, batch_size, workers, pin, lanes, jpeg_on_device)
     for batch, out in in_lanes(run, batches, lanes):
         yield batch, out
         if progress is not None:
@@ -160,7 +162,8 @@ def encode_files(paths: Sequence[str | Path], encode: Callable[[torch.Tensor], t
 def caption_files(captioner: Captioner, paths: Sequence[str | Path],
                   batch_size: int = DEFAULT_BATCH_SIZE, workers: int | None = None,
                   progress: Progress | None = None,
-                  lanes: int | None = None, **decoding: Any) -> Iterator[Record]:
+                  lanes: int | None = None, jpeg_on_device: bool = False,
+                  **decoding: Any) -> Iterator[Record]:
     """Caption image files; yields one Record per path, in input order, as batches finish.
 
     Encoding and decoding are batched (greedy for beam 1, batched beam search otherwise), with
@@ -174,7 +177,8 @@ def caption_files(captioner: Captioner, paths: Sequence[str | Path],
         return captioner.caption_annotations(captioner.encode(images), **decoding)
 
     for batch, results in encode_files(paths, caption, captioner.input_size, batch_size,
-                                       workers, captioner.device, progress, lanes):
+                                       workers, captioner.device, progress, lanes,
+                                       jpeg_on_device):
         it = iter(results or [])
         for item in batch.items:
             if item.error is not None:

@@ -1,0 +1,145 @@
+"""JPEG photos decoded in batches on the GPU (nvJPEG, through torchvision), for bulk captioning.
+
+On a GPU machine the CPU's decoding sets `sat caption`'s rate: one core decodes about 340
+photos/s of 480 px, while batched nvJPEG decoding and resizing on an H100 ran at 11,000 photos/s
+(benchmarks/README.md). With ``--decode-on gpu`` the decoding processes only read a JPEG's bytes
+and header (size, EXIF orientation), and the main process decodes the batch on the GPU.
+
+Everything else is decoded on the CPU as before (``images.load_image``): PNG, WebP, HEIC..., and
+the JPEGs nvJPEG would decode differently or not at all: progressive, CMYK/YCCK, 12-bit. A JPEG
+that fails on the GPU is decoded on the CPU from the same bytes, so one bad file changes nothing
+for the others. The photo comes out as ``open_image`` makes it: upright (EXIF orientation),
+RGB, then resized as ``images.resize`` does (bilinear, antialiased, rounded to uint8); the GPU
+decodes the full image where the CPU path may use libjpeg's reduced-size decoding, so pixels can
+differ by a few levels (the captions almost never: tests/test_jpeg_device.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from showattendtell.images import (
+    MAX_PIXELS,
+    ImageError,
+    LoadedImage,
+    load_image,
+    open_image,
+    resize,
+    size_warning,
+)
+
+DECODE_CHUNK = 32  # photos decoded at once: a 12-megapixel photo is 36 MB decoded
+QUARTER_TURNS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def read_jpeg(path: str, input_size: int, index: int = 0) -> LoadedImage:
+    """A worker's share for a JPEG nvJPEG decodes: its bytes and EXIF orientation, checked by
+    its header alone. Any other file is decoded here (``load_image``)."""
+    orientation = 1
+    try:
+        with Image.open(path) as img:  # reads the header, not the pixels
+            fits = (
+                img.format == "JPEG"
+                and img.mode in ("RGB", "L")
+                and not img.info.get("progressive")
+                and not img.info.get("progression")
+                and img.width * img.height <= MAX_PIXELS
+            )
+            size = img.size
+            if fits:
+                with contextlib.suppress(Exception):  # a broken EXIF block: pixels as stored
+                    orientation = int(img.getexif().get(0x0112, 1))
+    except Exception:  # noqa: BLE001 - load_image gives the file's error record
+        fits = False
+    if not fits:
+        return load_image(path, input_size, index, normalised=False)
+    if orientation not in range(1, 9):
+        orientation = 1
+    w, h = size[::-1] if orientation in QUARTER_TURNS else size
+    data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+    return LoadedImage(index, path, warning=size_warning(w, h), jpeg=data, orientation=orientation)
+
+
+def upright(x: torch.Tensor, orientation: int) -> torch.Tensor:
+    """(C, H, W) as stored -> as seen: PIL's ``ImageOps.exif_transpose`` for EXIF
+    orientations 1-8 (mirrored, turned a half, or a quarter either way)."""
+    if orientation in (5, 6, 7, 8):
+        x = x.transpose(1, 2)  # 5: transposed
+        if orientation == 6:  # turned a quarter clockwise
+            x = x.flip(2)
+        elif orientation == 7:  # transverse
+            x = x.flip(1, 2)
+        elif orientation == 8:  # turned a quarter anticlockwise
+            x = x.flip(1)
+        return x
+    if orientation == 2:
+        return x.flip(2)
+    if orientation == 3:
+        return x.flip(1, 2)
+    if orientation == 4:
+        return x.flip(1)
+    return x
+
+
+def resize_on_device(x: torch.Tensor, input_size: int) -> torch.Tensor:
+    """(3, H, W) uint8 -> (3, S, S) uint8: ``images.resize``'s arithmetic (bilinear,
+    antialiased, on float32, rounded), wherever ``x`` is."""
+    if x.shape[-2:] == (input_size, input_size):
+        return x
+    y = torch.nn.functional.interpolate(
+        x[None].float(), size=[input_size] * 2, mode="bilinear", align_corners=False,
+        antialias=True,
+    )  # fmt: skip
+    return y.round_().clamp_(0, 255).to(torch.uint8)[0]
+
+
+def decode_jpegs(
+    items: list[LoadedImage], input_size: int, device: torch.device
+) -> list[torch.Tensor | None]:
+    """The (3, S, S) uint8 images of ``items`` (each holding a JPEG's bytes) on ``device``,
+    decoded in batches there; a photo that fails is decoded on the CPU from its bytes, and one
+    that fails there too gets its ``error`` set and None."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    out: list[torch.Tensor | None] = []
+    for start in range(0, len(items), DECODE_CHUNK):
+        chunk = items[start : start + DECODE_CHUNK]
+        with warnings.catch_warnings():  # torchvision 0.29 announces a move to TorchCodec
+            warnings.simplefilter("ignore")
+            try:
+                decoded = decode_jpeg(
+                    [x.jpeg for x in chunk], mode=ImageReadMode.RGB, device=device
+                )
+            except RuntimeError:  # one bad file fails the whole call: each alone
+                decoded = [_one(x, device, decode_jpeg, ImageReadMode.RGB) for x in chunk]
+        for item, img in zip(chunk, decoded, strict=True):
+            out.append(_finish(item, img, input_size, device))
+    return out
+
+
+def _one(item: LoadedImage, device: torch.device, decode_jpeg, mode) -> torch.Tensor | None:
+    try:
+        return decode_jpeg(item.jpeg, mode=mode, device=device)
+    except RuntimeError:
+        return None
+
+
+def _finish(
+    item: LoadedImage, img: torch.Tensor | None, input_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """Upright and resized, or the CPU's decoding of the same bytes where the GPU failed."""
+    if img is not None:
+        return resize_on_device(upright(img, item.orientation), input_size)
+    try:  # what the CPU path makes of the file, error message included
+        pil = open_image(bytes(item.jpeg.numpy()), min_size=input_size)
+        return resize(pil, input_size).to(device)
+    except ImageError as e:
+        item.error = str(e).removeprefix("the image: ")
+    except Exception as e:  # noqa: BLE001 - a decoder bug on one file must not stop the run
+        item.error = f"{type(e).__name__}: {e}".strip()
+    return None

@@ -1,0 +1,131 @@
+"""JPEGs decoded in batches on the device (jpeg_device, `sat caption --decode-on gpu`).
+
+The path runs on a CPU too (torchvision's decode_jpeg there), so everything but nvJPEG itself is
+tested here: which files go to it, EXIF orientation, the resize, the fallback to the CPU for a
+file the device cannot decode, and that the pipeline's records and captions are the CPU path's.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from showattendtell.images import load_batches, load_image
+from showattendtell.inference import load_model
+from showattendtell.jpeg_device import decode_jpegs, read_jpeg, upright
+from showattendtell.pipeline import caption_files
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "service" / "examples").glob("*.jpg"))
+CPU = torch.device("cpu")
+
+
+def quadrants(path: Path, orientation: int = 1, **save) -> Path:
+    """A 40x24 JPEG with four coloured quadrants (every turn and mirror looks different)."""
+    a = np.zeros((24, 40, 3), np.uint8)
+    a[:12, :20], a[:12, 20:], a[12:, 20:] = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+    exif = Image.Exif()
+    if orientation != 1:
+        exif[0x0112] = orientation
+    Image.fromarray(a).save(path, quality=95, exif=exif, **save)
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:.*TorchCodec")  # torchvision 0.29's notice
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_as_pil_applies_it(tmp_path, orientation):
+    from torchvision.io import decode_jpeg
+
+    path = quadrants(tmp_path / "q.jpg", orientation)
+    item = read_jpeg(str(path), 16)
+    assert item.jpeg is not None and item.orientation == orientation
+    stored = decode_jpeg(item.jpeg)
+    want = np.asarray(ImageOps.exif_transpose(Image.open(path)).convert("RGB"))
+    got = upright(stored, orientation).permute(1, 2, 0).numpy()
+    assert got.shape == want.shape and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("orientation", [1, 6, 8])
+def test_decoded_photos_are_the_cpu_paths_within_one_level(tmp_path, orientation):
+    """Same size, upright, resized: the arithmetic differs only in rounding."""
+    photo = Image.open(EXAMPLES[0]).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / "p.jpg"
+    photo.save(path, quality=90, exif=exif)
+    item = read_jpeg(str(path), 260)
+    (got,) = decode_jpegs([item], 260, CPU)
+    want = load_image(str(path), 260, normalised=False)
+    assert item.warning == want.warning
+    assert got.shape == want.tensor.shape == (3, 260, 260)
+    assert (got.int() - want.tensor.int()).abs().max() <= 1
+
+
+def test_large_photos_decode_in_full_and_stay_close_to_the_reduced_cpu_decoding(tmp_path):
+    """The CPU decodes a large JPEG at a reduced size (libjpeg's DCT scaling); the device
+    decodes it in full and resizes with antialiasing: the same photo within a few levels."""
+    path = tmp_path / "big.jpg"
+    Image.open(EXAMPLES[1]).convert("RGB").resize((1680, 1260)).save(path, quality=92)
+    (got,) = decode_jpegs([read_jpeg(str(path), 260)], 260, CPU)
+    want = load_image(str(path), 260, normalised=False).tensor
+    assert (got.float() - want.float()).abs().mean() < 2.0
+
+
+def test_only_jpegs_the_device_decodes_alike_are_left_to_it(tmp_path):
+    """PNG, progressive and CMYK JPEGs are decoded by the worker as before."""
+    quadrants(tmp_path / "base.jpg")
+    img = Image.open(tmp_path / "base.jpg")
+    img.save(tmp_path / "a.png")
+    img.save(tmp_path / "progressive.jpg", progressive=True)
+    img.convert("CMYK").save(tmp_path / "cmyk.jpg")
+    assert read_jpeg(str(tmp_path / "base.jpg"), 16).jpeg is not None
+    for name in ("a.png", "progressive.jpg", "cmyk.jpg"):
+        item = read_jpeg(str(tmp_path / name), 16)
+        want = load_image(str(tmp_path / name), 16, normalised=False)
+        assert item.jpeg is None and torch.equal(item.tensor, want.tensor), name
+
+
+def test_a_jpeg_the_device_cannot_decode_gets_the_cpu_paths_record(tmp_path):
+    """A header that reads and data that does not: one error record, the batch goes on."""
+    good = quadrants(tmp_path / "good.jpg")
+    data = good.read_bytes()
+    (tmp_path / "broken.jpg").write_bytes(data[: len(data) // 2])  # truncated scan data
+    (tmp_path / "text.jpg").write_text("not a photo")
+    paths = [str(good), str(tmp_path / "broken.jpg"), str(tmp_path / "text.jpg"), str(good)]
+    expected = next(load_batches(paths, 16, 4, 0))
+    (batch,) = list(load_batches(paths, 16, 4, 0, jpeg_on_device=True))
+    images = batch.images(CPU, 16)
+    assert batch.failures() == expected.failures()
+    assert batch.decoded() == expected.decoded()
+    assert images.shape == expected.tensors.shape
+    assert (images.int() - expected.tensors.int()).abs().max() <= 1
+
+
+def test_captions_of_the_pipeline_are_the_cpu_paths(tmp_path):
+    """`sat caption --decode-on gpu`'s pipeline, run on a CPU: the same records in the same
+    order, and the same captions for the example photos and a PNG between them."""
+    Image.open(EXAMPLES[2]).save(tmp_path / "gull.png")
+    paths = [str(EXAMPLES[0]), str(tmp_path / "gull.png"), *map(str, EXAMPLES[1:])]
+    captioner = load_model(None, "cpu")
+    run = {
+        flag: list(caption_files(captioner, paths, 3, 1, jpeg_on_device=flag, beam_size=1))
+        for flag in (False, True)
+    }
+    assert [r.path for r in run[True]] == [r.path for r in run[False]] == paths
+    assert [r.result.caption for r in run[True]] == [r.result.caption for r in run[False]]
+
+
+def test_batches_are_page_locked_where_the_dataloader_pins_them(monkeypatch):
+    """DataLoader(pin_memory=True) calls a batch's own pin_memory(); without one a batch
+    object stays pageable and the copy to the GPU cannot overlap its work."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from showattendtell.images import collate_images
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: pinned.append(self) or self)
+    batch = collate_images([load_image(str(p), 32, i, normalised=False) for i, p in
+                            enumerate(EXAMPLES[:2])])  # fmt: skip
+    assert pin_memory(batch) is batch and len(pinned) == 1 and pinned[0] is batch.tensors
