@@ -129,3 +129,17 @@ def test_batches_are_page_locked_where_the_dataloader_pins_them(monkeypatch):
     batch = collate_images([load_image(str(p), 32, i, normalised=False) for i, p in
                             enumerate(EXAMPLES[:2])])  # fmt: skip
     assert pin_memory(batch) is batch and len(pinned) == 1 and pinned[0] is batch.tensors
+
+
+def test_decoding_on_the_gpu_without_one_is_a_usage_error(tmp_path, capsys):
+    """One line saying what to do, exit 2, and no output file made."""
+    from showattendtell.cli import main
+
+    out = tmp_path / "out.jsonl"
+    rc = main(["caption", str(EXAMPLES[0]), "--decode-on", "gpu", "--device", "cpu",
+               "-o", str(out)])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [
+        "error: --decode-on gpu needs a CUDA GPU (--device cuda); without one, leave it out"
+    ]
+    assert not out.exists()

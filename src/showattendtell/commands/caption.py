@@ -80,6 +80,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="image-decoding processes (default: cores - 1, at most 16, on a GPU; 0 "
                         "on a CPU with up to 8 cores; 0 decodes in the main process)")
+    p.add_argument("--decode-on", choices=("cpu", "gpu"), default="cpu",
+                   help="where JPEGs are decoded: cpu (default, in the decoding processes) or "
+                        "gpu (in batches, by nvJPEG; other formats on the CPU); needs "
+                        "--device cuda")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the network (default: torch's, one per core); 1 can be "
                         "much faster on a machine busy with other work")
@@ -376,6 +380,9 @@ def _caption(args: argparse.Namespace, plan: Plan, resume: ResumePoint | None, f
         if isinstance(e, UserError):
             raise
         raise UsageError(str(e)) from None
+    if args.decode_on == "gpu" and captioner.device.type != "cuda":
+        raise UsageError("--decode-on gpu needs a CUDA GPU (--device cuda); without one, leave "
+                         "it out")
 
     stream = None
     if procs.rank == 0 and args.output:
@@ -413,7 +420,8 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
         workers = default_workers(captioner.device)
         workers = max(1, workers // procs.local_world_size) if workers else 0
     records = caption_files(captioner, [todo[i] for g in mine for i in batches[g]],
-                            args.batch_size, workers, None, args.lanes, **decoding)
+                            args.batch_size, workers, None, args.lanes,
+                            jpeg_on_device=args.decode_on == "gpu", **decoding)
     steps = -(-len(batches) // procs.world_size)
 
     ok, failures = 0, []
