@@ -1,14 +1,19 @@
 """`sat caption`'s start-up imports only what captioning needs: no timm, torchvision, nltk or
-Lightning, with the same pixels and the same encoder outputs as when they were used."""
+Lightning, with the same pixels and the same encoder outputs as when they were used; `sat
+--help` and `--version` import no torch; the first caption's CIDEr-D tables, built by numpy,
+are those of the plain loop over every caption's n-grams."""
 
+import math
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from showattendtell.consensus import ORDERS, ConsensusIndex, ngram_counts
 from showattendtell.encoder import EFFICIENTNETS, IMAGENET_MEAN, IMAGENET_STD, lite_stages
 from showattendtell.images import normalise, resize
 
@@ -82,3 +87,68 @@ def test_lite_stages_compute_timms_network_with_its_weights(backbone):
             for stage in ours:
                 y = stage.eval()(y)
             torch.testing.assert_close(y, net.forward_features(x), atol=1e-5, rtol=1e-5)
+
+
+def loop_tables(references: list[list[str]]) -> dict:
+    """The CIDEr-D tables by a plain loop over every caption's ``ngram_counts``: n-gram ids in
+    the order first seen, each caption's entries in its Counter's order."""
+    ids: dict[tuple, int] = {}
+    df: Counter = Counter()
+    flat_ids, counts, ptr, lengths, starts = [], [], [0], [], [0]
+    for captions in references:
+        held = set()
+        for caption in captions:
+            words = caption.split()
+            lengths.append(max(len(words) - 1, 0))
+            for g, tf in ngram_counts(words).items():
+                flat_ids.append(ids.setdefault(g, len(ids)))
+                counts.append(tf)
+                held.add(g)
+            ptr.append(len(flat_ids))
+        df.update(held)
+        starts.append(len(lengths))
+    log_n = math.log(len(references))
+    grams = list(ids)
+    idf = np.array([log_n - math.log(max(1.0, df[g])) for g in grams])
+    order = np.array([len(g) - 1 for g in grams], np.int64)
+    values = np.array(counts, np.float64) * idf[np.array(flat_ids, np.int64)]
+    norms = np.zeros((len(lengths), ORDERS))
+    for r in range(len(lengths)):
+        for e in range(ptr[r], ptr[r + 1]):
+            norms[r, order[flat_ids[e]]] += values[e] ** 2
+    return {
+        "ids": ids,
+        "idf": idf,
+        "order": order,
+        "ptr": np.array(ptr),
+        "flat_ids": np.array(flat_ids, np.int64),
+        "values": values,
+        "norms": np.sqrt(norms),
+        "lengths": np.array(lengths, np.float64),
+        "starts": np.array(starts),
+    }
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cider_d_tables_are_the_plain_loops(seed):
+    """The same ids, entries, tf-idf values and norms, bit for bit, with empty captions, a
+    photo without captions, one-word captions and repeated n-grams among them."""
+    rng = np.random.default_rng(seed)
+    words = ["a", "dog", "dogs", "runs", "on", "the", "grass", "a", "red", "ball", "x"][: 4 + seed]
+    references = [
+        [
+            " ".join(rng.choice(words, size=int(rng.integers(0, 9))))
+            for _ in range(rng.integers(0, 6))
+        ]
+        for _ in range(30)
+    ]
+    references[3] = []
+    references[5] = ["", "dog", "dog dog dog dog dog dog"]
+    index = ConsensusIndex(torch.randn(30, 4), references, neighbours=5)
+    ours, theirs = index.prepare(), loop_tables(references)
+    for name in ("idf", "order", "ptr", "flat_ids", "values", "norms", "lengths", "starts"):
+        assert ours[name].dtype == theirs[name].dtype, name
+        assert np.array_equal(ours[name], theirs[name]), name
+    grams = [*theirs["ids"], ("zebra",), ("a", "zebra"), ("dog",) * 4, ("runs", "a", "zebra")]
+    expected = [theirs["ids"].get(g, -1) for g in grams]
+    assert ConsensusIndex._ids(ours, grams).tolist() == expected
