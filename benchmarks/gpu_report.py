@@ -8,7 +8,8 @@ model, the photos in FOLDER (default: the service's example photos) and syntheti
 batches. Parts, each also a field of the JSON line:
 
 - ``agreement``: the float32 captions on the device against the CPU's (greedy, and the model's
-  stored decoding), per photo;
+  stored decoding), per photo; on CUDA also the pipeline's greedy captions with JPEGs decoded
+  on the GPU against those decoded on the CPU;
 - ``captioning``: benchmarks/caption_throughput.py in float32 and bf16 at batch 32 and 128:
   greedy, beam 3 and the encoder alone, images/s;
 - ``decoding``: the image-decoding stage alone (files to resized tensors, no model), images/s
@@ -20,9 +21,10 @@ batches. Parts, each also a field of the JSON line:
 - ``sat_train``: a short `sat train` of configs/tiny.yaml on the photos (captioned by the model)
   with ``--trainer.accelerator gpu --trainer.precision bf16-mixed`` on CUDA, seconds;
 - ``bulk``: `sat caption FOLDER -o FILE` over ``--bulk`` photos (the given ones, hard-linked
-  over and over into a temporary folder), bf16 on CUDA, batch 128, greedy and beam 3, with the
-  default decoding processes and with one per core: seconds to the first caption and images/s
-  once running (read off the output file as it grows).
+  over and over into a temporary folder), bf16 on CUDA, batch 128, greedy and beam 3, JPEGs
+  decoded on the CPU (the default) and on the GPU (``--decode-on gpu``), and greedy with 4
+  decoding processes: seconds to the first caption and images/s once running (read off the
+  output file as it grows).
 
 ``--quick`` makes every part as small as it gets (the test suite's smoke test on a CPU).
 ``--output FILE`` rewrites FILE with the report so far after each part (a run cut short keeps
@@ -74,6 +76,15 @@ def agreement(paths: list[str], device: str, limit: int) -> dict[str, Any]:
             )
         )
         out[f"same_{name}"] = same
+    if device.startswith("cuda"):  # the pipeline with JPEGs decoded by nvJPEG, greedy
+        from showattendtell.pipeline import caption_files
+
+        runs = [
+            [r.result.caption if r.result else r.error
+             for r in caption_files(dev, photos, 32, 4, jpeg_on_device=flag, beam_size=1)]
+            for flag in (False, True)
+        ]  # fmt: skip
+        out["same_greedy_decode_on_gpu"] = sum(a == b for a, b in zip(*runs, strict=True))
     return out
 
 
@@ -243,16 +254,19 @@ def bulk(paths: list[str], device: str, count: int, quick: bool, limit_s: float)
                 os.link(src, dst)
             except OSError:  # another file system: a copy
                 shutil.copy(src, dst)
-        runs = [("greedy", 1, None), ("beam3", 3, None)]
-        if not quick and cores > 4:
-            runs += [(f"greedy_{cores}_workers", 1, cores), (f"beam3_{cores}_workers", 3, cores)]
-        for name, beam, workers in runs:
+        runs: list[tuple[str, int, list[str]]] = [("greedy", 1, []), ("beam3", 3, [])]
+        if gpu:  # JPEGs decoded by nvJPEG, and the CPU's decoding with the former default
+            runs += [
+                ("greedy_decode_on_gpu", 1, ["--decode-on", "gpu"]),
+                ("beam3_decode_on_gpu", 3, ["--decode-on", "gpu"]),
+            ]
+            if cores > 5:
+                runs.append(("greedy_4_workers", 1, ["--workers", "4"]))
+        for name, beam, extra in runs:
             cmd = [sys.executable, "-m", "showattendtell.cli", "caption", str(folder),
                    "-o", str(Path(tmp) / f"{name}.jsonl"), "--device", device,
                    "--precision", out["precision"], "--batch-size", "128",
-                   "--beam-size", str(beam)]  # fmt: skip
-            if workers is not None:
-                cmd += ["--workers", str(workers)]
+                   "--beam-size", str(beam), *extra]  # fmt: skip
             out[name] = timed_bulk_run(cmd, Path(tmp) / f"{name}.jsonl", limit_s)
     return out
 
