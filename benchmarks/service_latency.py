@@ -17,9 +17,11 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -33,29 +35,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | None, device: str, max_batch: int, port: int,
-                 timeout: float = 300.0) -> subprocess.Popen:
-    """`sat serve` in a subprocess; returns once its API answers."""
-    cmd = [sys.executable, "-m", "showattendtell.cli", "serve", "--device", device,
-           "--port", str(port), "--max-batch", str(max_batch), "--concurrency", "8",
-           "--examples"]
-    if model:
-        cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+def wait_for_api(proc: subprocess.Popen, url: str, log: IO[str], timeout: float) -> None:
+    """Return once the Gradio API at ``url`` answers; exit with the end of the server's ``log``
+    if ``proc`` (the server) stops first, or say so if it does not answer within ``timeout`` s."""
     from gradio_client import Client
 
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"sat serve exited: {proc.stderr.read() if proc.stderr else ''}")
+            log.seek(0)
+            raise SystemExit(f"sat serve exited:\n{log.read()[-3000:]}")
         try:
-            Client(f"http://127.0.0.1:{port}/", verbose=False)
-            return proc
-        except Exception:
+            Client(url, verbose=False)
+            return
+        except Exception:  # not listening yet, or the app not built yet
             time.sleep(1)
     proc.kill()
     raise SystemExit("sat serve did not start in time")
+
+
+def start_sat_serve(port: int, serve_args: list[str], env: dict[str, str] | None = None,
+                    timeout: float = 300.0) -> subprocess.Popen:
+    """`sat serve --port PORT SERVE_ARGS` in a subprocess (so that clients and server do not share
+    a GIL), ``env`` added to this environment; returns once its API answers. Its output goes to a
+    temporary file, read back if it stops: a pipe nobody reads would block a chatty server."""
+    cmd = [sys.executable, "-m", "showattendtell.cli", "serve", "--port", str(port), *serve_args]
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (outlives this function: the server's log)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})})
+    wait_for_api(proc, f"http://127.0.0.1:{port}/", log, timeout)
+    return proc
+
+
+def start_server(model: str | None, device: str, max_batch: int, port: int) -> subprocess.Popen:
+    """`sat serve` with this benchmark's options; returns once its API answers."""
+    args = ["--device", device, "--max-batch", str(max_batch), "--concurrency", "8", "--examples"]
+    return start_sat_serve(port, [*args, "--model", model] if model else args)
 
 
 def write_stand_in(path: Path) -> Path:

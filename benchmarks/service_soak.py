@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,7 +29,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from service_latency import free_port  # run as a script: benchmarks/ is on the path
+
+# run as a script: benchmarks/ is on the path
+from service_latency import free_port, start_sat_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PHOTOS = ROOT.parent / "shared/data/flickr8k/images"
@@ -60,37 +61,14 @@ def generate_photos(folder: Path, n: int, size: int = 480, seed: int = 0) -> lis
     return paths
 
 
-def start_server(port: int, cache: Path, serve_args: list[str], timeout: float = 600.0):
+def start_server(port: int, cache: Path, serve_args: list[str]):
     """`sat serve` in a subprocess with its own Gradio cache; returns once its API answers."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "showattendtell.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "--examples",
-        *serve_args,
-    ]
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "GRADIO_TEMP_DIR": str(cache)}
-    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (outlives this function: the server's log)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    from gradio_client import Client
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise SystemExit(f"sat serve exited:\n{log.read()[-3000:]}")
-        try:
-            Client(f"http://127.0.0.1:{port}/", verbose=False)
-            return proc
-        except Exception:
-            time.sleep(1)
-    proc.kill()
-    raise SystemExit("sat serve did not start in time")
+    return start_sat_serve(
+        port,
+        ["--device", "cpu", "--examples", *serve_args],
+        env={"GRADIO_TEMP_DIR": str(cache)},
+        timeout=600.0,
+    )
 
 
 def cache_usage(cache: Path) -> tuple[int, int]:
