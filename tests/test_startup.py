@@ -3,6 +3,7 @@ Lightning, with the same pixels and the same encoder outputs as when they were u
 --help` and `--version` import no torch; the first caption's CIDEr-D tables, built by numpy,
 are those of the plain loop over every caption's n-grams."""
 
+import ast
 import math
 import subprocess
 import sys
@@ -17,25 +18,91 @@ from showattendtell.consensus import ORDERS, ConsensusIndex, ngram_counts
 from showattendtell.encoder import EFFICIENTNETS, IMAGENET_MEAN, IMAGENET_STD, lite_stages
 from showattendtell.images import normalise, resize
 
-HEAVY = ("timm", "torchvision", "nltk", "lightning", "torch._dynamo", "sympy", "gradio")
+HEAVY = (
+    "timm",
+    "torchvision",
+    "nltk",
+    "lightning",
+    "jsonargparse",
+    "matplotlib",
+    "pycocotools",
+    "pycocoevalcap",
+    "tensorboard",
+    "torch._dynamo",
+    "sympy",
+    "gradio",
+)
+
+
+def imported_after(code: str, *prefixes: str) -> list[str]:
+    """The modules under ``prefixes`` that running ``code`` in a fresh interpreter imports."""
+    probe = (
+        f"{code}\n"
+        "import sys\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {set(prefixes)!r} "
+        f"or m in {set(prefixes)!r}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    return ast.literal_eval(out.strip().splitlines()[-1])
 
 
 def test_captioning_a_photo_imports_none_of_the_heavy_packages(tmp_path):
-    """The CLI, the bundled model and one caption, in a fresh interpreter."""
+    """`sat caption photo.jpg` from the CLI's entry point, the bundled model, in a fresh
+    interpreter: only what captioning needs."""
     photo = tmp_path / "photo.jpg"
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 256, (90, 120, 3), dtype=np.uint8)).save(photo)
     code = (
-        "import sys\n"
-        "import showattendtell.cli\n"
-        "from showattendtell.inference import load_model\n"
-        f"load_model(None, 'cpu').caption([{str(photo)!r}])\n"
-        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+        "import contextlib, io\n"
+        "from showattendtell.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        f"    assert main(['caption', {str(photo)!r}]) == 0\n"
+        "assert '\"caption\"' in out.getvalue()\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout
-    assert out.strip().splitlines()[-1] == "[]"
+    assert imported_after(code, *HEAVY) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["--version"],
+        ["caption", "--help"],
+        ["evaluate", "--help"],
+        ["export", "--help"],
+        ["models", "--help"],
+        ["serve", "--help"],
+        ["data", "--help"],
+    ],
+)
+def test_help_and_version_import_no_torch(argv):
+    """`sat --help`, `--version` and each subcommand's --help are read from modules that import
+    no torch (nor Lightning, numpy or Pillow): they print in a fraction of a second."""
+    code = (
+        "import contextlib, io\n"
+        "from showattendtell.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    try:\n"
+        f"        main({argv!r})\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        "assert out.getvalue().startswith(('usage: sat', 'sat ')), out.getvalue()\n"
+    )
+    assert imported_after(code, "torch", "lightning", "numpy", "PIL", *HEAVY) == []
+
+
+def test_the_decoding_flags_are_the_option_tables():
+    """The torch-free table the CLI reads is the one decoding.py and DecodingConfig use."""
+    from showattendtell import decoding, settings
+    from showattendtell.cli import build_parser
+
+    assert decoding.DECODING_OPTIONS is settings.DECODING_OPTIONS
+    assert decoding.DecodingConfig is settings.DecodingConfig
+    flags = build_parser()._subparsers._group_actions[0].choices["caption"]._option_string_actions
+    for opt in settings.DECODING_OPTIONS.values():
+        assert flags[opt.flag].dest == opt.name and flags[opt.flag].help == opt.help
 
 
 def test_resize_and_normalise_give_torchvisions_values():

@@ -1,12 +1,15 @@
 """Argument helpers shared by the `sat` subcommands.
 
-The decoding flags are made from ``showattendtell.decoding.DECODING_OPTIONS`` (imported when a
-parser is built), the table the web service's controls and API inputs are made from too.
+The decoding flags are made from ``showattendtell.settings.DECODING_OPTIONS``, the table the
+web service's controls and API inputs are made from too; like this module, it imports no torch
+(`sat --help` and `sat --version` start in a fraction of a second).
 """
 
 from __future__ import annotations
 
 import argparse
+
+from showattendtell.settings import DECODING_OPTIONS, DecodingConfig
 
 MODEL_HELP = ("model file or name (`sat models`; default: $SAT_MODEL or the bundled model), or "
               "A+B for an ensemble of models that share an encoder")
@@ -27,8 +30,6 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """The decoding options, one flag per ``DecodingConfig`` field (its ``option`` metadata);
     each defaults to None, the value stored in the model file. ``DecodingConfig`` checks the
     ranges, the one place for the CLI, API and service."""
-    from showattendtell.decoding import DECODING_OPTIONS
-
     g = p.add_argument_group("decoding (default: the model file's stored settings; "
                              "`sat models` lists them)")
     types = {"int": int, "float": float}
@@ -49,8 +50,6 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 def decoding_overrides(args: argparse.Namespace) -> dict:
     """The decoding options given on the command line (None: the model's default), checked now,
     before a model is loaded: a DecodingError (exit status 2) names the bad one."""
-    from showattendtell.decoding import DECODING_OPTIONS, DecodingConfig
-
     given = {k: getattr(args, k) for k in DECODING_OPTIONS}
     DecodingConfig().with_overrides(**given)
     return given

@@ -35,12 +35,7 @@ from showattendtell.attention import (
     gather_locations,
     sample_locations,
 )
-
-# How a step turns alpha_t into the context z_t, the one vocabulary of attention modes: the most
-# likely location, one sampled from alpha_t, the expected context (soft attention; hard attention
-# decoded as the authors' sampler does), or a location given (teacher-forced hard training). The
-# first three are a hard model's --hard-mode; "forced" is for training only.
-CONTEXT_MODES = ("argmax", "sample", "expectation", "forced")
+from showattendtell.settings import CONTEXT_MODES  # noqa: F401 - a step's attention modes
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 
 from showattendtell.images import ImageBatch, load_batches, normalise
 from showattendtell.progress import Progress
+from showattendtell.settings import DEFAULT_BATCH_SIZE  # with sat caption --help, torch-free
 
 if TYPE_CHECKING:
     from showattendtell.inference import Captioner, CaptionResult
@@ -39,10 +40,6 @@ class Record:
     path: str
     result: CaptionResult | None = None
     error: str | None = None
-
-
-DEFAULT_BATCH_SIZE = 32  # a search step reads all the decoder's weights whatever its rows, so
-# 32 images share that cost better than 16 (benchmarks/README.md); the CNN runs in slices anyway
 
 
 CPU_CORES_PER_WORKER = 8  # on a CPU, one image-decoding process per this many cores

@@ -41,11 +41,12 @@ from showattendtell.cli_common import (
     decoding_overrides,
 )
 from showattendtell.errors import Terminated, UsageError, UserError, raise_terminated
-from showattendtell.pipeline import DEFAULT_BATCH_SIZE, Record, default_workers
+from showattendtell.settings import DEFAULT_BATCH_SIZE
 
 if TYPE_CHECKING:
     from showattendtell.distributed import Processes
     from showattendtell.inference import Captioner
+    from showattendtell.pipeline import Record
 
 
 def add_parser(sub) -> None:
@@ -410,7 +411,7 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
     One writer means a kill of any process loses at most the records of the step in flight and
     never leaves a duplicate: the file is what --resume continues."""
     from showattendtell.distributed import share_batches
-    from showattendtell.pipeline import caption_files
+    from showattendtell.pipeline import Record, caption_files, default_workers
     from showattendtell.progress import Progress
 
     todo, main = plan.todo, procs.rank == 0
