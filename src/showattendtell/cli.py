@@ -17,15 +17,25 @@ COMMAND_MODULES = (caption, evaluate, data, export, models, serve)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sat", description="Show, Attend and Tell captioning.")
-    parser.add_argument("--version", action="version", version=version_line(),
-                        help="print the version (and torch's, for bug reports) and exit")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=version_line(),
+        help="print the version (and torch's, for bug reports) and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("train", add_help=False,
-                   help="train a model: sat train --config configs/NAME.yaml "
-                        "[--trainer.max_epochs N ...] [--ckpt_path last.ckpt]")
-    sub.add_parser("features", add_help=False,
-                   help="fill the encoder-feature cache of a training config: "
-                        "sat features --config configs/NAME.yaml")
+    sub.add_parser(
+        "train",
+        add_help=False,
+        help="train a model: sat train --config configs/NAME.yaml "
+        "[--trainer.max_epochs N ...] [--ckpt_path last.ckpt]",
+    )
+    sub.add_parser(
+        "features",
+        add_help=False,
+        help="fill the encoder-feature cache of a training config: "
+        "sat features --config configs/NAME.yaml",
+    )
     for module in COMMAND_MODULES:
         module.add_parser(sub)
     return parser

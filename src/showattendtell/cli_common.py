@@ -11,17 +11,23 @@ import argparse
 
 from showattendtell.settings import DECODING_OPTIONS, DecodingConfig
 
-MODEL_HELP = ("model file or name (`sat models`; default: $SAT_MODEL or the bundled model), or "
-              "A+B for an ensemble of models that share an encoder")
+MODEL_HELP = (
+    "model file or name (`sat models`; default: $SAT_MODEL or the bundled model), or "
+    "A+B for an ensemble of models that share an encoder"
+)
 
 
 def add_model_arg(p: argparse.ArgumentParser, menu: bool = False) -> None:
     """``--model``, the one declaration for every subcommand; ``menu``: repeatable (`sat serve`'s
     model menu, one entry per --model)."""
     if menu:
-        p.add_argument("--model", action="append", metavar="MODEL",
-                       help=f"{MODEL_HELP}; repeat for a model menu (each named by its file "
-                            "stem; default: the bundled default model, then the others)")
+        p.add_argument(
+            "--model",
+            action="append",
+            metavar="MODEL",
+            help=f"{MODEL_HELP}; repeat for a model menu (each named by its file "
+            "stem; default: the bundled default model, then the others)",
+        )
     else:
         p.add_argument("--model", default=None, help=MODEL_HELP)
 
@@ -30,21 +36,33 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """The decoding options, one flag per ``DecodingConfig`` field (its ``option`` metadata);
     each defaults to None, the value stored in the model file. ``DecodingConfig`` checks the
     ranges, the one place for the CLI, API and service."""
-    g = p.add_argument_group("decoding (default: the model file's stored settings; "
-                             "`sat models` lists them)")
+    g = p.add_argument_group(
+        "decoding (default: the model file's stored settings; `sat models` lists them)"
+    )
     types = {"int": int, "float": float}
     for opt in DECODING_OPTIONS.values():
         metavar = opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.choices else None)
-        g.add_argument(opt.flag, dest=opt.name, type=types.get(opt.kind), default=None,
-                       metavar=metavar, help=opt.help)
+        g.add_argument(
+            opt.flag,
+            dest=opt.name,
+            type=types.get(opt.kind),
+            default=None,
+            metavar=metavar,
+            help=opt.help,
+        )
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
     """Where and how the network runs: --device and --precision."""
-    p.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda or "
-                                                    "cuda:N")
-    p.add_argument("--precision", default="32", choices=("32", "bf16", "16"),
-                   help="32 (default; float32), or mixed precision bf16 / 16 (float16: GPU only)")
+    p.add_argument(
+        "--device", default="auto", help="auto (a GPU when present), cpu, cuda or cuda:N"
+    )
+    p.add_argument(
+        "--precision",
+        default="32",
+        choices=("32", "bf16", "16"),
+        help="32 (default; float32), or mixed precision bf16 / 16 (float16: GPU only)",
+    )
 
 
 def decoding_overrides(args: argparse.Namespace) -> dict:

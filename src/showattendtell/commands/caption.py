@@ -51,54 +51,101 @@ if TYPE_CHECKING:
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "caption", help="caption image files and folders (JSON Lines or CSV)",
+        "caption",
+        help="caption image files and folders (JSON Lines or CSV)",
         description="Caption images (JPEG, PNG, WebP, BMP, GIF, TIFF, HEIC/HEIF, AVIF) and "
-                    "folders of images (other files in them are counted and skipped). "
-                    "Writes one JSON object (or CSV row) per image; unreadable files get an "
-                    "error record and never stop the run. Exit status: 0 all captioned, "
-                    "1 some failed, 2 usage error.")
-    p.add_argument("paths", nargs="+", metavar="PATH",
-                   help="image files and/or folders; - reads more paths from standard input, "
-                        "one per line (e.g. find photos -name '*.jpg' | sat caption - -o "
-                        "out.jsonl)")
+        "folders of images (other files in them are counted and skipped). "
+        "Writes one JSON object (or CSV row) per image; unreadable files get an "
+        "error record and never stop the run. Exit status: 0 all captioned, "
+        "1 some failed, 2 usage error.",
+    )
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="image files and/or folders; - reads more paths from standard input, "
+        "one per line (e.g. find photos -name '*.jpg' | sat caption - -o "
+        "out.jsonl)",
+    )
     p.add_argument("-r", "--recursive", action="store_true", help="look into sub-folders too")
-    p.add_argument("-o", "--output", default=None,
-                   help="file to write (default: standard output)")
-    p.add_argument("--format", default=None,
-                   help="jsonl (default) or csv; default from the --output suffix")
-    p.add_argument("--with-attention", action="store_true",
-                   help="add each word's attention grid (and hard-attention locations)")
-    p.add_argument("--overlays", metavar="DIR", default=None,
-                   help="also write one PNG per image: the caption over a grid of word panels, "
-                        "each showing where the model looked")
-    p.add_argument("--resume", action="store_true",
-                   help="append to --output, skipping images already in it")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing --output file (without it, or --resume, a file "
-                        "that is not empty is refused and left as it was)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                   help=f"images per batch (default {DEFAULT_BATCH_SIZE})")
-    p.add_argument("--workers", type=int, default=None,
-                   help="image-decoding processes (default: cores - 1, at most 16, on a GPU; 0 "
-                        "on a CPU with up to 8 cores; 0 decodes in the main process)")
-    p.add_argument("--decode-on", choices=("cpu", "gpu"), default="cpu",
-                   help="where JPEGs are decoded: cpu (default, in the decoding processes) or "
-                        "gpu (in batches, by nvJPEG; other formats on the CPU); needs "
-                        "--device cuda")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the network (default: torch's, one per core); 1 can be "
-                        "much faster on a machine busy with other work")
-    p.add_argument("--lanes", type=int, default=None,
-                   help="batches captioned at once, each on its share of the threads (default: "
-                        "2 on a CPU with 2 or more threads, else 1)")
+    p.add_argument("-o", "--output", default=None, help="file to write (default: standard output)")
+    p.add_argument(
+        "--format", default=None, help="jsonl (default) or csv; default from the --output suffix"
+    )
+    p.add_argument(
+        "--with-attention",
+        action="store_true",
+        help="add each word's attention grid (and hard-attention locations)",
+    )
+    p.add_argument(
+        "--overlays",
+        metavar="DIR",
+        default=None,
+        help="also write one PNG per image: the caption over a grid of word panels, "
+        "each showing where the model looked",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="append to --output, skipping images already in it"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output file (without it, or --resume, a file "
+        "that is not empty is refused and left as it was)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help=f"images per batch (default {DEFAULT_BATCH_SIZE})",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="image-decoding processes (default: cores - 1, at most 16, on a GPU; 0 "
+        "on a CPU with up to 8 cores; 0 decodes in the main process)",
+    )
+    p.add_argument(
+        "--decode-on",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="where JPEGs are decoded: cpu (default, in the decoding processes) or "
+        "gpu (in batches, by nvJPEG; other formats on the CPU); needs "
+        "--device cuda",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the network (default: torch's, one per core); 1 can be "
+        "much faster on a machine busy with other work",
+    )
+    p.add_argument(
+        "--lanes",
+        type=int,
+        default=None,
+        help="batches captioned at once, each on its share of the threads (default: "
+        "2 on a CPU with 2 or more threads, else 1)",
+    )
     add_model_arg(p)
-    p.add_argument("--devices", type=int, default=1, metavar="N",
-                   help="captioning processes on this machine (default 1): one per GPU with "
-                        "--device cuda/auto on a GPU machine, else CPU processes sharing the "
-                        "cores; they split the photos and write one output in input order")
-    p.add_argument("--num-nodes", type=int, default=1, metavar="M",
-                   help="machines taking part (default 1); start the same command on each with "
-                        "MASTER_ADDR, MASTER_PORT and NODE_RANK set, or under torchrun / SLURM")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="captioning processes on this machine (default 1): one per GPU with "
+        "--device cuda/auto on a GPU machine, else CPU processes sharing the "
+        "cores; they split the photos and write one output in input order",
+    )
+    p.add_argument(
+        "--num-nodes",
+        type=int,
+        default=1,
+        metavar="M",
+        help="machines taking part (default 1); start the same command on each with "
+        "MASTER_ADDR, MASTER_PORT and NODE_RANK set, or under torchrun / SLURM",
+    )
     add_device_args(p)
     add_decoding_args(p)
     p.set_defaults(func=run)
@@ -115,12 +162,11 @@ def overlay_names(paths: list[str]) -> dict[str, str]:
     the same names, so a resumed run writes the sheets the first one would have."""
     parts = {}
     for path in paths:
-        kept = [p for p in Path(path).parts if p not in ("/", ".", "..")
-                and not p.endswith(":\\")]
+        kept = [p for p in Path(path).parts if p not in ("/", ".", "..") and not p.endswith(":\\")]
         parts[path] = kept or ["image"]
     depth = dict.fromkeys(paths, 1)
     while True:
-        names = {p: "__".join(parts[p][-depth[p]:]) for p in paths}
+        names = {p: "__".join(parts[p][-depth[p] :]) for p in paths}
         groups: dict[str, list[str]] = {}
         for p, name in names.items():
             groups.setdefault(name.lower(), []).append(p)
@@ -174,8 +220,10 @@ def _stdin_paths() -> list[str]:
     if sys.stdin is None:
         raise UsageError("- reads image paths from standard input, but there is none")
     if sys.stdin.isatty():
-        print("reading image paths from standard input, one per line; end with Ctrl-D",
-              file=sys.stderr)
+        print(
+            "reading image paths from standard input, one per line; end with Ctrl-D",
+            file=sys.stderr,
+        )
     data = sys.stdin.buffer.read()
     return [os.fsdecode(line.rstrip(b"\r")) for line in data.split(b"\n") if line.strip()]
 
@@ -205,8 +253,10 @@ def _inputs(args: argparse.Namespace) -> list[str]:
     listed = _stdin_paths() if "-" in args.paths else []
     urls = [p for p in typed + listed if URL.match(p) and not os.path.exists(p)]
     if urls:
-        raise UsageError(f"{urls[0]} is a web address: download it first (e.g. curl -O "
-                         "URL), then caption the file")
+        raise UsageError(
+            f"{urls[0]} is a web address: download it first (e.g. curl -O "
+            "URL), then caption the file"
+        )
     missing = [p for p in typed if not os.path.exists(p)]
     if missing:
         raise UsageError(f"no such file or folder: {missing[0]}")
@@ -224,8 +274,11 @@ def _inputs(args: argparse.Namespace) -> list[str]:
         skipped: Counter[str] = Counter()
         found = [str(p) for p in list_images([given], args.recursive, skipped)]
         if skipped:
-            print(f"warning: {given}: skipped {_count_files(skipped)} not named as images "
-                  f"({', '.join(_suffix_counts(skipped))})", file=sys.stderr)
+            print(
+                f"warning: {given}: skipped {_count_files(skipped)} not named as images "
+                f"({', '.join(_suffix_counts(skipped))})",
+                file=sys.stderr,
+            )
         if not found:
             empty.append(given)
         for p in found:
@@ -234,8 +287,12 @@ def _inputs(args: argparse.Namespace) -> list[str]:
                 paths.append(p)
     hint = "" if args.recursive else " (use --recursive for sub-folders)"
     if not paths:
-        raise UsageError("no image files found in " + ", ".join(given_paths[:5])
-                         + (", ..." if len(given_paths) > 5 else "") + hint)
+        raise UsageError(
+            "no image files found in "
+            + ", ".join(given_paths[:5])
+            + (", ..." if len(given_paths) > 5 else "")
+            + hint
+        )
     for given in empty:
         print(f"warning: no image files in {given}{hint}", file=sys.stderr)
     return paths
@@ -270,8 +327,9 @@ class Plan:
     sheets: dict[str, str] | None = None  # --overlays: the PNG name of each path to do
 
 
-def _plan(args: argparse.Namespace, fmt: str, lock: list[OutputLock]
-          ) -> tuple[Plan, ResumePoint | None]:
+def _plan(
+    args: argparse.Namespace, fmt: str, lock: list[OutputLock]
+) -> tuple[Plan, ResumePoint | None]:
     """Find the inputs, lock the output file and read what --resume continues, create the output
     folders: all before a model is loaded, so a usage error costs nothing. The lock, appended to
     ``lock``, is held until the run ends."""
@@ -295,8 +353,7 @@ def _plan(args: argparse.Namespace, fmt: str, lock: list[OutputLock]
         prepare_folder("--overlays", Path(args.overlays))
         names = overlay_names(paths)  # of every input: a resumed run names sheets the same
         sheets = {p: names[p] for p in todo}
-    return Plan(todo, len(paths) - len(todo), resume.fields if resume else None,
-                sheets), resume
+    return Plan(todo, len(paths) - len(todo), resume.fields if resume else None, sheets), resume
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,8 +363,9 @@ def run(args: argparse.Namespace) -> int:
     from showattendtell.distributed import Processes, accelerator_for
 
     several = args.devices * args.num_nodes > 1
-    procs = Processes(args.devices, args.num_nodes,
-                      accelerator_for(args.device) if several else "cpu")
+    procs = Processes(
+        args.devices, args.num_nodes, accelerator_for(args.device) if several else "cpu"
+    )
     # Only the first process reads the inputs and the output file; with --devices N it does so
     # before it starts the others, so a usage error stops the run before any process starts.
     plan: Plan | UserError | None = None
@@ -351,9 +409,14 @@ def resume_command(args: argparse.Namespace) -> str | None:
     return shlex.join(["sat", *kept, "--resume"])
 
 
-def _run_planned(args: argparse.Namespace, plan: Plan | UserError | None,
-                 resume: ResumePoint | None, fmt: str, decoding: dict[str, Any],
-                 procs: Processes) -> int:
+def _run_planned(
+    args: argparse.Namespace,
+    plan: Plan | UserError | None,
+    resume: ResumePoint | None,
+    fmt: str,
+    decoding: dict[str, Any],
+    procs: Processes,
+) -> int:
     procs.launch()
     try:
         plan = procs.broadcast(plan)
@@ -369,8 +432,14 @@ def _run_planned(args: argparse.Namespace, plan: Plan | UserError | None,
         procs.close()
 
 
-def _caption(args: argparse.Namespace, plan: Plan, resume: ResumePoint | None, fmt: str,
-             decoding: dict[str, Any], procs: Processes) -> int:
+def _caption(
+    args: argparse.Namespace,
+    plan: Plan,
+    resume: ResumePoint | None,
+    fmt: str,
+    decoding: dict[str, Any],
+    procs: Processes,
+) -> int:
     """Load the model on every process, open the output on the first, caption."""
     from showattendtell.inference import load_model
 
@@ -382,8 +451,9 @@ def _caption(args: argparse.Namespace, plan: Plan, resume: ResumePoint | None, f
             raise
         raise UsageError(str(e)) from None
     if args.decode_on == "gpu" and captioner.device.type != "cuda":
-        raise UsageError("--decode-on gpu needs a CUDA GPU (--device cuda); without one, leave "
-                         "it out")
+        raise UsageError(
+            "--decode-on gpu needs a CUDA GPU (--device cuda); without one, leave it out"
+        )
 
     stream = None
     if procs.rank == 0 and args.output:
@@ -397,15 +467,20 @@ def _caption(args: argparse.Namespace, plan: Plan, resume: ResumePoint | None, f
 
 
 def _nothing_to_do(plan: Plan, args: argparse.Namespace) -> int:
-    print(f"nothing to do: all {plan.skipped} images are already in {args.output}",
-          file=sys.stderr)
+    print(f"nothing to do: all {plan.skipped} images are already in {args.output}", file=sys.stderr)
     return 0
 
 
-def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
-                  decoding: dict[str, Any], writer: Writer, fresh: bool,
-                  overlays: dict[str, Path] | None,
-                  procs: Processes) -> int:
+def _caption_loop(
+    captioner: Captioner,
+    plan: Plan,
+    args: argparse.Namespace,
+    decoding: dict[str, Any],
+    writer: Writer,
+    fresh: bool,
+    overlays: dict[str, Path] | None,
+    procs: Processes,
+) -> int:
     """Every process captions its batches; at each step the first process gathers that step's
     records from all of them and writes them, in input order, one whole record per write.
     One writer means a kill of any process loses at most the records of the step in flight and
@@ -420,9 +495,16 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
     if workers is None:  # the processes of one machine share its cores
         workers = default_workers(captioner.device)
         workers = max(1, workers // procs.local_world_size) if workers else 0
-    records = caption_files(captioner, [todo[i] for g in mine for i in batches[g]],
-                            args.batch_size, workers, None, args.lanes,
-                            jpeg_on_device=args.decode_on == "gpu", **decoding)
+    records = caption_files(
+        captioner,
+        [todo[i] for g in mine for i in batches[g]],
+        args.batch_size,
+        workers,
+        None,
+        args.lanes,
+        jpeg_on_device=args.decode_on == "gpu",
+        **decoding,
+    )
     steps = -(-len(batches) // procs.world_size)
 
     ok, failures = 0, []
@@ -438,8 +520,10 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
         with Progress(len(todo), "captioning", enabled=show) as progress:
             for step in range(steps):
                 g = step * procs.world_size + procs.rank
-                lines = [_formatted(rec, writer, overlays)
-                         for rec in islice(records, len(batches[g]) if g < len(batches) else 0)]
+                lines = [
+                    _formatted(rec, writer, overlays)
+                    for rec in islice(records, len(batches[g]) if g < len(batches) else 0)
+                ]
                 parts = procs.gather(lines)
                 for part in parts or []:
                     for path, line, failure in part:
@@ -470,19 +554,30 @@ def _caption_loop(captioner: Captioner, plan: Plan, args: argparse.Namespace,
     if not main:
         return 0 if error is None else 1
     if error is not None:
-        print(f"error: {error}; the {ok + len(failures)} records written before are intact"
-              + (hint if args.output else ""),
-              file=sys.stderr)
+        print(
+            f"error: {error}; the {ok + len(failures)} records written before are intact"
+            + (hint if args.output else ""),
+            file=sys.stderr,
+        )
         return 1
-    _summary(ok, failures, plan.skipped, len(todo), bool(interrupted), args.output,
-             resume_command(args), "-" in args.paths)
+    _summary(
+        ok,
+        failures,
+        plan.skipped,
+        len(todo),
+        bool(interrupted),
+        args.output,
+        resume_command(args),
+        "-" in args.paths,
+    )
     if interrupted:
         return interrupted
     return 1 if failures else 0
 
 
-def _formatted(rec: Record, writer: Writer, overlays: dict[str, Path] | None
-               ) -> tuple[str, str, str | None]:
+def _formatted(
+    rec: Record, writer: Writer, overlays: dict[str, Path] | None
+) -> tuple[str, str, str | None]:
     """(path, output line, error or None) for one record; its overlay and warning done here, by
     the process that captioned it."""
     if rec.result is not None and overlays is not None:
@@ -495,9 +590,17 @@ def _formatted(rec: Record, writer: Writer, overlays: dict[str, Path] | None
     return rec.path, writer.line(rec), rec.error
 
 
-def _summary(ok: int, failures: list[Record], skipped: int, total: int, interrupted: bool,
-             output: str | None, command: str | None = None, stdin: bool = False,
-             show: int = 10) -> None:
+def _summary(
+    ok: int,
+    failures: list[Record],
+    skipped: int,
+    total: int,
+    interrupted: bool,
+    output: str | None,
+    command: str | None = None,
+    stdin: bool = False,
+    show: int = 10,
+) -> None:
     """The end-of-run report on standard error: counts, then the failed files and why; an
     interrupted run says how to finish it (the command, as `sat train` does)."""
     parts = [f"captioned {ok}", f"failed {len(failures)}"]
@@ -506,8 +609,11 @@ def _summary(ok: int, failures: list[Record], skipped: int, total: int, interrup
     if interrupted:
         left = f"interrupted with {total - ok - len(failures)} left"
         if command:
-            left += ("; resume with (the same list of paths on standard input):" if stdin
-                     else "; resume with:") + f"\n  {command}"
+            left += (
+                "; resume with (the same list of paths on standard input):"
+                if stdin
+                else "; resume with:"
+            ) + f"\n  {command}"
         elif output:
             left += " (run again with --resume to finish)"
         parts.append(left)
