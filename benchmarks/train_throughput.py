@@ -111,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="the decoder's training recurrence (Decoder.forward's fixed_shape)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="our forward pass through torch.compile (the fixed-shape recurrence, unrolled)",
+    )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-baseline", action="store_true", help="skip the peer")
     p.add_argument(
@@ -146,12 +151,15 @@ def main(argv: list[str] | None = None) -> dict:
     feats, caps, lengths = make_batch(B, L, D, V, device)
     n_tokens = int(lengths.sum())
     fixed = {"auto": None, "fixed": True, "packed": False}[args.strategy]
+    forward = dec
+    if args.compile:  # compiled once for these shapes: the same T every step
+        fixed, forward = True, torch.compile(dec)
 
     def ours() -> torch.Tensor:
         if args.attention == "soft":
-            return soft_attention_loss(dec(feats, caps, lengths, fixed_shape=fixed), B).loss
+            return soft_attention_loss(forward(feats, caps, lengths, fixed_shape=fixed), B).loss
         # the REINFORCE pass (the expected-context pass costs the same as soft)
-        out = dec(feats, caps, lengths, mode="sample", fixed_shape=fixed)
+        out = forward(feats, caps, lengths, mode="sample", fixed_shape=fixed)
         return hard_attention_loss(out, B, 0.0).loss
 
     peak = matmul_gflops(device, [int(n) for n in args.matmul_sizes.split(",")])
@@ -173,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
         "batch": B,
         "vocab": V,
         "precision": args.precision,
-        "strategy": args.strategy,
+        "strategy": "fixed" if args.compile else args.strategy,
+        "compiled": args.compile,
         "tokens_per_step": n_tokens,
         "step_ms": round(t_fast * 1000, 1),
         "tokens_per_s": round(tok_s, 1),
