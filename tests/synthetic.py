@@ -7,8 +7,6 @@ is only predictable from that object's cell, so a model whose attention works lo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
@@ -54,14 +52,3 @@ def make_dataset(n: int, seed: int = 0):
     examples = [make_example(rng) for _ in range(n)]
     feats = torch.stack([cell_features(img) for img, _, _ in examples])
     return feats, [cap for _, cap, _ in examples], [cells for _, _, cells in examples], examples
-
-
-def write_photos(folder: Path, n: int, seed: int = 1) -> list[str]:
-    """``n`` synthetic images saved as folder/0.png, 1.png, ...; their paths."""
-    rng = np.random.default_rng(seed)
-    paths = []
-    for i in range(n):
-        p = folder / f"{i}.png"
-        make_example(rng)[0].save(p)
-        paths.append(str(p))
-    return paths

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import csv
 import json
 import os
@@ -10,41 +9,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.photos import photos
 from helpers.processes import default_sigint
 from PIL import Image
-from showattendtell.service.uploads import EXAMPLES_DIR
 
 from showattendtell.caption_output import scan_output
 from showattendtell.cli import main
 from showattendtell.commands.caption import overlay_names
-
-_PHOTOS = Path(tempfile.mkdtemp(prefix="sat-test-photos-"))
-atexit.register(shutil.rmtree, _PHOTOS, ignore_errors=True)
-
-
-def photos(n: int) -> list[Path]:
-    """n distinct real photos, made from the example photos that ship with the service (crops at
-    other offsets, some mirrored), so these tests need no data outside the repository."""
-    sources = sorted(EXAMPLES_DIR.glob("*.jpg"))
-    made = []
-    for i in range(n):
-        path = _PHOTOS / f"photo_{i:02d}.jpg"
-        if not path.is_file():
-            im = Image.open(sources[i % len(sources)]).convert("RGB")
-            shift = 0.04 * (i // len(sources))
-            w, h = im.size
-            im = im.crop((int(w * shift), int(h * shift / 2), w - int(w * shift / 2), h))
-            if (i // len(sources)) % 2:
-                im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            im.save(path, quality=90)
-        made.append(path)
-    return made
 
 
 def read_jsonl(path: Path) -> list[dict]:

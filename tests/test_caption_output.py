@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-from synthetic import make_example
+from helpers.photos import write_photos
 
 from showattendtell.caption_output import OutputError, scan_output
 from showattendtell.cli import main
@@ -16,13 +15,8 @@ from showattendtell.cli import main
 
 @pytest.fixture
 def images(tmp_path: Path) -> list[str]:
-    rng = np.random.default_rng(3)
-    names = []
-    for i in range(3):
-        img, _, _ = make_example(rng)
-        img.save(tmp_path / f"img{i}.png")
-        names.append(f"img{i}.png")
-    return names
+    """Three photos' names, relative to tmp_path (the tests run there)."""
+    return [Path(p).name for p in write_photos(tmp_path, 3, seed=3, name="img{i}.png")]
 
 
 def caption(tmp_path, monkeypatch, model: Path, *args: str) -> int:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from synthetic import make_example
+from helpers.photos import write_photos
 
 from showattendtell.catalog import ModelNotFound, bundled_models, resolve_model
 from showattendtell.cli import main
@@ -28,8 +27,7 @@ def test_an_existing_path_wins_over_a_name(tmp_path, monkeypatch, tiny_model_fil
 
 
 def test_unknown_names_and_folders_are_one_line_usage_errors(tmp_path, capsys):
-    img = tmp_path / "x.png"
-    make_example(np.random.default_rng(0))[0].save(img)
+    (img,) = write_photos(tmp_path, 1, seed=0, name="x.png")
     assert main(["caption", str(img), "--model", "no_such_model"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --model no_such_model: no such file") and "\n" not in err
@@ -42,8 +40,7 @@ def test_unknown_names_and_folders_are_one_line_usage_errors(tmp_path, capsys):
 
 
 def test_caption_with_a_bundled_model_name(tmp_path, capsys):
-    img = tmp_path / "x.png"
-    make_example(np.random.default_rng(0))[0].save(img)
+    (img,) = write_photos(tmp_path, 1, seed=0, name="x.png")
     assert main(["caption", str(img), "--model", "flickr8k_lite2_hard", "--beam-size", "1",
                  "--workers", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["caption"]

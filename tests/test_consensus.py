@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from synthetic import write_photos
+from helpers.photos import write_photos
 
 from showattendtell.cli import main
 from showattendtell.consensus import ConsensusIndex

@@ -11,17 +11,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from helpers.photos import encode
 from PIL import Image
 
 from showattendtell.cli import main
 from showattendtell.data import download
 from showattendtell.data.datasets import DatasetError, load_split
-
-
-def _jpeg(seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (32, 24), (seed * 40 % 256, 90, 160)).save(buf, "JPEG")
-    return buf.getvalue()
 
 
 def _zip(files: dict[str, bytes]) -> bytes:
@@ -37,6 +32,7 @@ def _coco_archives() -> dict[str, bytes]:
     train = {1: "train2014", 2: "train2014", 3: "train2014"}
     val = {10: "val2014", 11: "val2014", 12: "val2014", 13: "val2014"}
     name = {i: f"COCO_{d}_{i:012d}.jpg" for i, d in {**train, **val}.items()}
+    jpeg = {i: encode(Image.new("RGB", (32, 24), (i * 40 % 256, 90, 160))) for i in name}
 
     def captions(ids):
         return json.dumps({
@@ -61,8 +57,8 @@ def _coco_archives() -> dict[str, bytes]:
         "people/karpathy/deepimagesent/caption_datasets.zip": _zip({
             "dataset_coco.json": dataset_coco, "dataset_flickr8k.json": b"{}",
         }),
-        "zips/train2014.zip": _zip({f"train2014/{name[i]}": _jpeg(i) for i in train}),
-        "zips/val2014.zip": _zip({f"val2014/{name[i]}": _jpeg(i) for i in val}),
+        "zips/train2014.zip": _zip({f"train2014/{name[i]}": jpeg[i] for i in train}),
+        "zips/val2014.zip": _zip({f"val2014/{name[i]}": jpeg[i] for i in val}),
     }
 
 

@@ -1,12 +1,11 @@
 import json
 
-import numpy as np
 import pytest
 import torch
 from helpers import feats, trained_like_decoder
+from helpers.photos import write_photos
 from oracles.search import _block_repeats as reference_block_repeats
 from oracles.search import reference_beam_search, reference_greedy_decode
-from synthetic import make_example
 
 from showattendtell.decoding import (
     END,
@@ -238,8 +237,7 @@ def test_bad_decoding_options_are_refused_everywhere(options, tiny_model_file, t
     with pytest.raises(DecodingError) as e:
         DecodingConfig().with_overrides(**options)
     assert "\n" not in str(e.value)
-    img = tmp_path / "x.png"
-    make_example(np.random.default_rng(0))[0].save(img)
+    (img,) = write_photos(tmp_path, 1, seed=0, name="x.png")
     captioner = load_model(tiny_model_file, device="cpu")
     with pytest.raises(DecodingError):
         caption_images(captioner, [img], **options)

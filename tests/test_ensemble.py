@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from synthetic import write_photos
+from helpers.photos import write_photos
 
 from showattendtell.catalog import ModelNotFound, resolve_models
 from showattendtell.cli import main
@@ -19,13 +19,9 @@ from showattendtell.model_file import read_model, save_model
 from showattendtell.vocab import Vocabulary
 
 
-def photos(tmp_path, n: int = 4) -> list[str]:
-    return write_photos(tmp_path, n, seed=3)
-
-
 def test_an_ensemble_of_a_model_with_itself_is_that_model(tiny_model_file, tmp_path):
     """Mean probabilities of identical members are the member's: same captions, same scores."""
-    paths = photos(tmp_path)
+    paths = write_photos(tmp_path, 4, seed=3)
     alone = load_model(tiny_model_file, "cpu")
     twice = load_model(f"{tiny_model_file}+{tiny_model_file}", "cpu")
     assert twice.name == "tiny+tiny" and isinstance(twice.model, EnsembleModel)
@@ -43,7 +39,8 @@ def test_ensemble_step_averages_the_members_probabilities_and_maps(tiny_model_fi
     soft, _, _ = read_model(tiny_model_file)
     hard, _, _ = read_model(tiny_hard_model_file)
     assert captioner.attention_type == "hard"  # --hard-mode reaches the hard member
-    grids = soft.encoder(torch.stack([captioner.preprocess(p) for p in photos(tmp_path, 3)]))
+    paths = write_photos(tmp_path, 3, seed=3)
+    grids = soft.encoder(torch.stack([captioner.preprocess(p) for p in paths]))
     words = torch.tensor([1, 1, 1])
     with torch.no_grad():
         step = captioner.model.decoder.step(words, captioner.model.decoder.start(grids),
@@ -54,7 +51,7 @@ def test_ensemble_step_averages_the_members_probabilities_and_maps(tiny_model_fi
     assert torch.allclose(step.log_probs, expected, atol=1e-5)
     assert torch.allclose(step.alpha, (s.alpha + h.alpha) / 2, atol=1e-6)
     assert step.location is None and h.location is not None  # no one attended cell
-    results = captioner.caption(photos(tmp_path, 3), beam_size=3)
+    results = captioner.caption(paths, beam_size=3)
     assert all(r.locations is None and math.isfinite(r.score) for r in results)
     assert all(np.allclose(r.attention.sum(axis=(1, 2)), 1, atol=1e-4) for r in results)
 
@@ -90,7 +87,7 @@ def test_resolve_models_reads_a_plus_b(tiny_model_file, tmp_path):
 
 
 def test_sat_caption_with_an_ensemble(tiny_model_file, tiny_hard_model_file, tmp_path, capsys):
-    paths = photos(tmp_path, 2)
+    paths = write_photos(tmp_path, 2, seed=3)
     spec = f"{tiny_model_file}+{tiny_hard_model_file}"
     assert main(["caption", *paths, "--model", spec, "--with-attention"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]

@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers.photos import write_photos
 from PIL import Image
-from synthetic import write_photos
 
 from showattendtell import familiarity
 from showattendtell.cli import main

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers.photos import write_photos
 from synthetic import make_example
 
 from showattendtell.catalog import DEFAULT_BUNDLED, bundled_models
@@ -154,8 +155,7 @@ def test_weights_with_nan_or_inf_are_refused_at_load(bad, tiny_model_file, tmp_p
     with pytest.raises(ModelFileError, match="NaN or Inf") as e:
         read_model(path)
     assert "diverged.safetensors" in str(e.value) and "\n" not in str(e.value)
-    img = tmp_path / "x.png"
-    make_example(np.random.default_rng(0))[0].save(img)
+    (img,) = write_photos(tmp_path, 1, seed=0, name="x.png")
     assert main(["caption", str(img), "--model", str(path), "--beam-size", "3"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "NaN or Inf" in err and "\n" not in err

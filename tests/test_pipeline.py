@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from synthetic import write_photos
+from helpers.photos import write_photos
 
 from showattendtell import pipeline
 from showattendtell.images import batch_indices

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.photos import photo
 
 gr = pytest.importorskip("gradio")
-from helpers.service import free_port, photo, service, tiny_expected_file  # noqa: E402, F401 (fixtures)
+from helpers.service import free_port, service, tiny_expected_file  # noqa: E402, F401 (fixtures)
 from showattendtell.service.app import launch  # noqa: E402
 from showattendtell.service.cache import CacheBound  # noqa: E402
 from showattendtell.service.worker import CaptionService  # noqa: E402

@@ -7,13 +7,13 @@ beams and familiarity."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.photos import encode, photo
 from PIL import Image
 
 from showattendtell.decoding import MAX_BEAM_SIZE, MAX_CAPTION_LENGTH, DecodingError
@@ -24,7 +24,6 @@ from helpers.service import (  # noqa: E402, F401 (fixtures)
     EXPECTED,
     bad_inputs,
     indexed_service,
-    photo,
     service,
     tiny_expected_file,
 )
@@ -278,9 +277,8 @@ def test_bad_input_gives_clear_messages(service: CaptionService, tmp_path: Path)
             api_caption(service, upload)
     with pytest.raises(gr.Error, match="no image"):
         api_caption(service, None)
-    buf = io.BytesIO()
-    Image.new("RGB", (64, 48), "blue").save(buf, "PNG")
-    inline = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    png = encode(Image.new("RGB", (64, 48), "blue"), "PNG")
+    inline = "data:image/png;base64," + base64.b64encode(png).decode()
     assert caption_image(service, {"url": inline}).image.size == (64, 48)  # pasted inline
     too_big = "A" * 4 * (service.max_upload_bytes // 3 + 2)  # decodes to just over the limit
     with pytest.raises(ImageError, match="MB limit"):

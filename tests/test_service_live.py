@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.photos import noise, photo
 from PIL import Image
 
 gr = pytest.importorskip("gradio")
@@ -20,7 +21,6 @@ from helpers.service import (  # noqa: E402, F401 (fixtures)
     EXPECTED,
     bad_inputs,
     free_port,
-    photo,
     server,
     service,
     tiny_expected_file,
@@ -126,7 +126,7 @@ def test_api_through_gradio_client(
         with pytest.raises(Exception, match=EXPECTED[kind]):
             client.predict(handle_file(str(path)), api_name="/caption")
     big = tmp_path / "noise.png"  # over the 1 MB upload limit
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (800, 800, 3), np.uint8)).save(big)
+    noise((800, 800)).save(big)
     with pytest.raises(Exception, match="(?i)size|large|limit"):
         client.predict(handle_file(str(big)), api_name="/caption")
     # still serving after all that
@@ -186,7 +186,7 @@ def test_browser_hard_mode_frames_and_rejected_uploads(
     bad = tmp_path / "cut.jpg"
     bad.write_bytes(photo(0).read_bytes()[:3000])
     big = tmp_path / "noise.png"  # over the server's 1 MB limit: Gradio refuses it
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (800, 800, 3), np.uint8)).save(big)
+    noise((800, 800)).save(big)
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:

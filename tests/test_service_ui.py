@@ -11,15 +11,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers.photos import photo
 from PIL import Image
 
 from showattendtell.decoding import DECODING_OPTIONS, MAX_BEAM_SIZE, MAX_CAPTION_LENGTH
 
 gr = pytest.importorskip("gradio")
 from helpers.service import (  # noqa: E402, F401 (fixtures)
-    black,
     indexed_service,
-    photo,
     service,
     tiny_expected_file,
     white_pixels,
@@ -115,7 +114,7 @@ def test_decoding_controls_follow_the_model(service: CaptionService):
     soft_updates = dict(zip(DECODING_OPTIONS, events.model_controls(service, soft), strict=True))
     assert soft_updates["hard_mode"]["visible"] is False
     # a soft model ignores the (hidden) hard-mode control
-    status = events.ui_caption(service, black(), soft, hard_mode="sample")[0]
+    status = events.ui_caption(service, Image.new("RGB", (160, 120)), soft, hard_mode="sample")[0]
     assert "soft attention" in status and "hard mode" not in status
 
 
@@ -184,7 +183,8 @@ def test_frame_only_when_decoded_from_one_cell(service: CaptionService):
     """The white frame marks a cell only in argmax / sample mode; the expected context (like
     soft attention) chooses none, and the status line says so."""
     hard = service.names[1]
-    img = black()  # jet blended over black is never pure white: white pixels are frames
+    # black: jet blended over black is never pure white, so white pixels are frames
+    img = Image.new("RGB", (160, 120))
     for mode in ("argmax", "sample"):
         out = outputs(events.ui_caption(service, img, hard, hard_mode=mode))
         state, gallery, view = out["state"], out["gallery"], out["view"]

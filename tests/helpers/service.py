@@ -1,13 +1,10 @@
-"""What the web service's tests share (tests/test_service_*.py): real photos, odd and bad files,
-tiny models served in-process and on a live port, a model with a consensus index.
-
-The real photos are the example photos shipped in service/examples/, so the service's tests need
-no data outside the repository.
+"""What the web service's tests share (tests/test_service_*.py): odd and bad files, tiny models
+served in-process and on a live port, a model with a consensus index. Their photos come from
+helpers.photos.
 """
 
 from __future__ import annotations
 
-import io
 import struct
 import zlib
 from pathlib import Path
@@ -17,21 +14,13 @@ import pytest
 import torch
 from PIL import Image
 from showattendtell.service.app import launch
-from showattendtell.service.uploads import EXAMPLES_DIR, find_examples
+from showattendtell.service.uploads import find_examples
 from showattendtell.service.worker import CaptionService, load_service
 
+from helpers.photos import encode
 from helpers.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def photo(i: int = 0) -> Path:
-    """A real photo: one of the example photos that ship with the service."""
-    return sorted(EXAMPLES_DIR.glob("*.jpg"))[i]
-
-
-def black(size: tuple[int, int] = (160, 120)) -> Image.Image:
-    return Image.new("RGB", size, "black")
 
 
 def white_pixels(image: Image.Image) -> int:
@@ -57,9 +46,8 @@ def png_bomb(width: int = 20000, height: int = 20000) -> bytes:
 def bad_inputs(tmp: Path) -> dict[str, Path]:
     """Files that are not photos, or broken ones, named as a user would have them."""
     files = {"text": b"this is not an image\n", "empty": b"", "bomb": png_bomb()}
-    buf = io.BytesIO()
-    Image.new("RGB", (400, 300), "red").save(buf, "JPEG")
-    files["truncated"] = buf.getvalue()[: len(buf.getvalue()) // 3]
+    jpeg = encode(Image.new("RGB", (400, 300), "red"))
+    files["truncated"] = jpeg[: len(jpeg) // 3]
     names = {"text": "notes.txt", "empty": "empty.jpg", "bomb": "bomb.png", "truncated": "cut.jpg"}
     for k, data in files.items():
         (tmp / names[k]).write_bytes(data)
