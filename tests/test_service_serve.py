@@ -37,6 +37,11 @@ def subparser(name: str):
     return build_parser()._subparsers._group_actions[0].choices[name]
 
 
+def serve_on_cpu(*args: str) -> int:
+    """`sat serve --device cpu ARGS`'s exit code (the tests that serve patch launch first)."""
+    return main(["serve", "--device", "cpu", *args])
+
+
 def test_serve_cli_defaults_are_safe():
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.device) == ("127.0.0.1", 7860, "auto")
@@ -60,11 +65,10 @@ def test_decoding_flags_come_from_the_option_table():
 def test_a_new_option_in_the_table_reaches_the_cli(monkeypatch):
     from dataclasses import replace
 
-    from showattendtell import decoding
     from showattendtell.cli_common import add_decoding_args
 
     extra = replace(DECODING_OPTIONS["beam_size"], name="top_k", label="top k", help="k words")
-    monkeypatch.setattr(decoding, "DECODING_OPTIONS", {**DECODING_OPTIONS, "top_k": extra})
+    monkeypatch.setitem(DECODING_OPTIONS, "top_k", extra)  # the one table, wherever it is read
     import argparse
 
     p = argparse.ArgumentParser()
@@ -138,10 +142,7 @@ def test_busy_port_when_gradio_finds_it_taken(tiny_model_file, monkeypatch, caps
         )
 
     monkeypatch.setattr("showattendtell.service.app.launch", taken)
-    assert (
-        main(["serve", "--model", str(tiny_model_file), "--device", "cpu", "--port", str(_free())])
-        == 2
-    )
+    assert serve_on_cpu("--model", str(tiny_model_file), "--port", str(_free())) == 2
     err = capsys.readouterr().err
     assert "--port N" in err and "GRADIO_SERVER_PORT" not in err and err.count("\n") == 1
 
@@ -207,67 +208,20 @@ def test_serve_decoding_options_become_every_models_defaults(
     monkeypatch,
 ):
     seen = _fake_launch(monkeypatch)
-    assert (
-        main(
-            [
-                "serve",
-                "--model",
-                str(tiny_model_file),
-                "--model",
-                str(tiny_expected_file),
-                "--device",
-                "cpu",
-                "--beam-size",
-                "1",
-                "--max-length",
-                "5",
-            ]
-        )
-        == 0
-    )
+    models = ["--model", str(tiny_model_file), "--model", str(tiny_expected_file)]
+    assert serve_on_cpu(*models, "--beam-size", "1", "--max-length", "5") == 0
     soft, hard = seen["decoding"].values()
     assert (soft.beam_size, soft.max_length) == (hard.beam_size, hard.max_length) == (1, 5)
     assert hard.hard_mode == "expectation"  # not given: the model's stored value
-    assert (
-        main(
-            [
-                "serve",
-                "--model",
-                str(tiny_expected_file),
-                "--device",
-                "cpu",
-                "--hard-mode",
-                "sample",
-            ]
-        )
-        == 0
-    )
+    assert serve_on_cpu("--model", str(tiny_expected_file), "--hard-mode", "sample") == 0
     (hard,) = seen["decoding"].values()
     assert hard.hard_mode == "sample" and hard.beam_size == 3  # 3: stored
 
 
 def test_serve_passes_the_cache_and_session_bounds(tiny_model_file, monkeypatch):
     seen = _fake_launch(monkeypatch)
-    assert (
-        main(
-            [
-                "serve",
-                "--model",
-                str(tiny_model_file),
-                "--device",
-                "cpu",
-                "--cache-mb",
-                "5",
-                "--cache-hours",
-                "0",
-                "--session-minutes",
-                "10",
-                "--max-sessions",
-                "7",
-            ]
-        )
-        == 0
-    )
+    bounds = ["--cache-mb", "5", "--cache-hours", "0", "--session-minutes", "10"]
+    assert serve_on_cpu("--model", str(tiny_model_file), *bounds, "--max-sessions", "7") == 0
     assert seen["cache"].max_bytes == 5 * 2**20 and seen["cache"].max_age_s is None
     assert (seen["session_minutes"], seen["max_sessions"]) == (10, 7)
 
@@ -288,7 +242,7 @@ def test_serve_bundled_model_by_name(monkeypatch):
         [BUNDLED_DIR / "flickr8k_lite2_soft.safetensors", hard]
     ]
     seen = _fake_launch(monkeypatch)
-    assert main(["serve", "--model", "flickr8k_lite2_hard", "--device", "cpu"]) == 0
+    assert serve_on_cpu("--model", "flickr8k_lite2_hard") == 0
     assert list(seen["decoding"]) == ["flickr8k_lite2_hard"]
     assert seen["decoding"]["flickr8k_lite2_hard"].hard_mode == "argmax"  # stored
 
@@ -296,22 +250,22 @@ def test_serve_bundled_model_by_name(monkeypatch):
 def test_serve_warns_without_login_beyond_localhost(tiny_model_file, tmp_path, monkeypatch, capsys):
     seen = _fake_launch(monkeypatch)
     monkeypatch.delenv(AUTH_ENV, raising=False)
-    base = ["serve", "--model", str(tiny_model_file), "--device", "cpu", "--port", str(_free())]
-    assert main([*base, "--host", "0.0.0.0"]) == 0
+    base = ["--model", str(tiny_model_file), "--port", str(_free())]
+    assert serve_on_cpu(*base, "--host", "0.0.0.0") == 0
     assert "warning: serving on 0.0.0.0 without a login" in capsys.readouterr().err
     assert seen["auth"] is None
-    assert main(base) == 0  # 127.0.0.1: no warning
+    assert serve_on_cpu(*base) == 0  # 127.0.0.1: no warning
     assert "warning" not in capsys.readouterr().err
     monkeypatch.setenv(AUTH_ENV, "alice:pa ss:word")
-    assert main([*base, "--host", "0.0.0.0"]) == 0
+    assert serve_on_cpu(*base, "--host", "0.0.0.0") == 0
     assert "warning" not in capsys.readouterr().err
     assert seen["auth"] == [("alice", "pa ss:word")]
     monkeypatch.delenv(AUTH_ENV)
     creds = tmp_path / "logins"
     creds.write_text("# users\nbob:hunter2\n\ncarol:x\n")
-    assert main([*base, "--host", "0.0.0.0", "--auth-file", str(creds)]) == 0
+    assert serve_on_cpu(*base, "--host", "0.0.0.0", "--auth-file", str(creds)) == 0
     assert seen["auth"] == [("bob", "hunter2"), ("carol", "x")]
-    assert main([*base, "--auth-file", str(tmp_path / "missing")]) == 2
+    assert serve_on_cpu(*base, "--auth-file", str(tmp_path / "missing")) == 2
     assert "cannot read --auth-file" in capsys.readouterr().err
 
 
