@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, SHARED
+from helpers.photos import link_photos
 from helpers.processes import default_sigint
 
 from showattendtell.cli import main
@@ -32,11 +33,8 @@ needs_train_mini = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> Path:
     """A folder of links to 60 real COCO train2017 photos (read in place)."""
-    folder = tmp_path_factory.mktemp("dist") / "photos"
-    folder.mkdir()
-    for p in sorted(TRAIN_MINI.glob("*.jpg"))[:N]:
-        (folder / p.name).symlink_to(p)
-    return folder
+    return link_photos(tmp_path_factory.mktemp("dist") / "photos",
+                       sorted(TRAIN_MINI.glob("*.jpg"))[:N])
 
 
 def sat_caption(args: list[str], cwd: Path, mark: str = "", **popen) -> subprocess.Popen:
