@@ -54,15 +54,21 @@ def wait_for_api(proc: subprocess.Popen, url: str, log: IO[str], timeout: float)
     raise SystemExit("sat serve did not start in time")
 
 
-def start_sat_serve(port: int, serve_args: list[str], env: dict[str, str] | None = None,
-                    timeout: float = 300.0) -> subprocess.Popen:
+def start_sat_serve(
+    port: int, serve_args: list[str], env: dict[str, str] | None = None, timeout: float = 300.0
+) -> subprocess.Popen:
     """`sat serve --port PORT SERVE_ARGS` in a subprocess (so that clients and server do not share
     a GIL), ``env`` added to this environment; returns once its API answers. Its output goes to a
     temporary file, read back if it stops: a pipe nobody reads would block a chatty server."""
     cmd = [sys.executable, "-m", "showattendtell.cli", "serve", "--port", str(port), *serve_args]
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (outlives this function: the server's log)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})},
+    )
     wait_for_api(proc, f"http://127.0.0.1:{port}/", log, timeout)
     return proc
 
@@ -102,9 +108,13 @@ def timed_requests(url: str, image: str, n: int, out: list[float]) -> None:
 
 def summary(latencies: list[float], wall: float) -> dict[str, float]:
     a = np.array(latencies)
-    return {"n": len(a), "p50_s": round(float(np.percentile(a, 50)), 3),
-            "p95_s": round(float(np.percentile(a, 95)), 3), "mean_s": round(float(a.mean()), 3),
-            "throughput_per_s": round(len(a) / wall, 2)}
+    return {
+        "n": len(a),
+        "p50_s": round(float(np.percentile(a, 50)), 3),
+        "p95_s": round(float(np.percentile(a, 95)), 3),
+        "mean_s": round(float(a.mean()), 3),
+        "throughput_per_s": round(len(a) / wall, 2),
+    }
 
 
 def measure(url: str, image: str, requests: int, clients: int) -> dict[str, dict]:
@@ -115,8 +125,10 @@ def measure(url: str, image: str, requests: int, clients: int) -> dict[str, dict
     res = {"alone": summary(alone, time.perf_counter() - t)}
     together: list[float] = []
     per_client = max(1, requests // clients)
-    threads = [threading.Thread(target=timed_requests, args=(url, image, per_client, together))
-               for _ in range(clients)]
+    threads = [
+        threading.Thread(target=timed_requests, args=(url, image, per_client, together))
+        for _ in range(clients)
+    ]
     t = time.perf_counter()
     for th in threads:
         th.start()
@@ -133,23 +145,37 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--requests", type=int, default=16, help="requests per scenario")
     p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--max-batch", type=int, nargs="+", default=[8],
-                   help="server batch limits to compare (1: no batching)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        nargs="+",
+        default=[8],
+        help="server batch limits to compare (1: no batching)",
+    )
     p.add_argument("--url", help="measure a running server instead of starting one")
-    p.add_argument("--stand-in", metavar="PATH",
-                   help="write an untrained model with the flickr8k_soft architecture to PATH "
-                        "and serve it (when no trained model exists yet)")
+    p.add_argument(
+        "--stand-in",
+        metavar="PATH",
+        help="write an untrained model with the flickr8k_soft architecture to PATH "
+        "and serve it (when no trained model exists yet)",
+    )
     args = p.parse_args()
     if args.stand_in:
         args.model = str(write_stand_in(Path(args.stand_in)))
     import torch
 
-    report = {"model": args.model, "image": args.image, "device": args.device,
-              "cpu_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-              "load_avg_1m": round(os.getloadavg()[0], 2), "runs": {}}
+    report = {
+        "model": args.model,
+        "image": args.image,
+        "device": args.device,
+        "cpu_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "runs": {},
+    }
     if args.url:
         report["runs"]["url"] = measure(args.url, args.image, args.requests, args.clients)
-    for mb in ([] if args.url else args.max_batch):
+    for mb in [] if args.url else args.max_batch:
         port = free_port()
         proc = start_server(args.model, args.device, mb, port)
         try:
@@ -160,8 +186,10 @@ def main() -> None:
         report["runs"][f"max_batch={mb}"] = runs
     for name, runs in report["runs"].items():
         for scenario, s in runs.items():
-            print(f"{name:14s} {scenario:10s} p50 {s['p50_s']:.3f}s  p95 {s['p95_s']:.3f}s  "
-                  f"mean {s['mean_s']:.3f}s  {s['throughput_per_s']:.2f} req/s  (n={s['n']})")
+            print(
+                f"{name:14s} {scenario:10s} p50 {s['p50_s']:.3f}s  p95 {s['p95_s']:.3f}s  "
+                f"mean {s['mean_s']:.3f}s  {s['throughput_per_s']:.2f} req/s  (n={s['n']})"
+            )
     print(json.dumps(report))
 
 

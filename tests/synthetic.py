@@ -11,8 +11,12 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 60, 220),
-           "yellow": (230, 210, 20)}
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 180, 30),
+    "blue": (30, 60, 220),
+    "yellow": (230, 210, 20),
+}
 SHAPES = ("circle", "square")
 GRID, CELL = 4, 16
 
@@ -40,7 +44,7 @@ def cell_features(img: Image.Image) -> torch.Tensor:
     feats = []
     for r in range(GRID):
         for c in range(GRID):
-            patch = a[r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL]
+            patch = a[r * CELL : (r + 1) * CELL, c * CELL : (c + 1) * CELL]
             filled = (patch.sum(2) > 0.1).mean()
             corner = float(patch[2, 2].sum() > 0.1)  # squares fill their corners, circles don't
             feats.append([*patch.mean((0, 1)) * 4, filled * 2, corner * 2, r / 3, c / 3])

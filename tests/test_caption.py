@@ -57,17 +57,34 @@ def mixed_folder(tmp_path: Path) -> Path:
 BAD = {"photos/notes.jpg", "photos/empty.jpg", "photos/nested/truncated.jpg"}
 
 
-def test_mixed_folder_recursive_jsonl(mixed_folder, tiny_model_file, tmp_path, monkeypatch,
-                                      capsys):
+def test_mixed_folder_recursive_jsonl(mixed_folder, tiny_model_file, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "captions.jsonl"
-    rc = main(["caption", "photos", "--recursive", "--output", str(out), "--model",
-               str(tiny_model_file), "--workers", "2", "--batch-size", "4", "--beam-size", "3"])
+    rc = main(
+        [
+            "caption",
+            "photos",
+            "--recursive",
+            "--output",
+            str(out),
+            "--model",
+            str(tiny_model_file),
+            "--workers",
+            "2",
+            "--batch-size",
+            "4",
+            "--beam-size",
+            "3",
+        ]
+    )
     assert rc == 1  # some files failed
     records = read_jsonl(out)
     paths = [r["path"] for r in records]
-    expected = sorted(str(p.relative_to(tmp_path)) for p in mixed_folder.rglob("*")
-                      if p.is_file() and p.suffix != ".txt")
+    expected = sorted(
+        str(p.relative_to(tmp_path))
+        for p in mixed_folder.rglob("*")
+        if p.is_file() and p.suffix != ".txt"
+    )
     assert paths == expected  # input order, each once, paths as found under what was typed
     assert len(paths) == 13
     for r in records:
@@ -95,8 +112,21 @@ def test_mixed_folder_recursive_jsonl(mixed_folder, tiny_model_file, tmp_path, m
         assert by_path[name]["score"] == pytest.approx(alone.score, abs=1e-3)
 
     # without --recursive only the top folder
-    rc = main(["caption", "photos", "-o", str(out), "--overwrite", "--model",
-               str(tiny_model_file), "--workers", "0", "--beam-size", "1"])
+    rc = main(
+        [
+            "caption",
+            "photos",
+            "-o",
+            str(out),
+            "--overwrite",
+            "--model",
+            str(tiny_model_file),
+            "--workers",
+            "0",
+            "--beam-size",
+            "1",
+        ]
+    )
     assert rc == 1
     assert [r["path"] for r in read_jsonl(out)] == [p for p in expected if p.count("/") == 1]
 
@@ -108,8 +138,23 @@ def test_csv_attention_and_overlays(tiny_model_file, tmp_path, monkeypatch, caps
         shutil.copy(p, tmp_path / p.name)
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)  # header only
     args = [p.name for p in src] + ["broken.png"]
-    rc = main(["caption", *args, "-o", "out.csv", "--with-attention", "--overlays", "sheets",
-               "--model", str(tiny_model_file), "--workers", "1", "--batch-size", "2"])
+    rc = main(
+        [
+            "caption",
+            *args,
+            "-o",
+            "out.csv",
+            "--with-attention",
+            "--overlays",
+            "sheets",
+            "--model",
+            str(tiny_model_file),
+            "--workers",
+            "1",
+            "--batch-size",
+            "2",
+        ]
+    )
     assert rc == 1
     with open("out.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -138,8 +183,20 @@ def test_stdout_jsonl_exit_0_and_exif(tiny_model_file, tmp_path, monkeypatch, ca
     exif = Image.Exif()
     exif[0x0112] = 6
     im.transpose(Image.Transpose.ROTATE_90).save("rotated.jpg", quality=95, exif=exif)
-    rc = main(["caption", "upright.jpg", "rotated.jpg", "--with-attention", "--model",
-               str(tiny_model_file), "--workers", "0", "--beam-size", "1"])
+    rc = main(
+        [
+            "caption",
+            "upright.jpg",
+            "rotated.jpg",
+            "--with-attention",
+            "--model",
+            str(tiny_model_file),
+            "--workers",
+            "0",
+            "--beam-size",
+            "1",
+        ]
+    )
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()
     up, rot = (json.loads(x) for x in lines)
@@ -153,8 +210,19 @@ def test_hard_attention_output_has_locations(tiny_hard_model_file, tmp_path, mon
     with --hard-mode argmax the attention map of a word peaks at its location."""
     monkeypatch.chdir(tmp_path)
     src = photos(2)
-    args = ["caption", *map(str, src), "--with-attention", "--model", str(tiny_hard_model_file),
-            "--workers", "0", "--beam-size", "2", "--hard-mode", "argmax"]
+    args = [
+        "caption",
+        *map(str, src),
+        "--with-attention",
+        "--model",
+        str(tiny_hard_model_file),
+        "--workers",
+        "0",
+        "--beam-size",
+        "2",
+        "--hard-mode",
+        "argmax",
+    ]
     assert main(args) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert main([*args, "-o", "out.csv"]) == 0
@@ -171,14 +239,17 @@ def test_hard_attention_output_has_locations(tiny_hard_model_file, tmp_path, mon
         assert json.loads(c["locations"]) == r["locations"] and c["caption"] == r["caption"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["missing_folder"], "no such file or folder: missing_folder"),
-    (["."], "no image files found"),
-    ([".", "--format", "xml"], "--format must be one of jsonl, csv"),
-    ([".", "--resume"], "--resume needs --output"),
-    ([".", "--batch-size", "0"], "--batch-size must be at least 1"),
-    ([".", "--lanes", "0"], "--lanes must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["missing_folder"], "no such file or folder: missing_folder"),
+        (["."], "no image files found"),
+        ([".", "--format", "xml"], "--format must be one of jsonl, csv"),
+        ([".", "--resume"], "--resume needs --output"),
+        ([".", "--batch-size", "0"], "--batch-size must be at least 1"),
+        ([".", "--lanes", "0"], "--lanes must be at least 1"),
+    ],
+)
 def test_usage_errors_exit_2(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["caption", *argv]) == 2
@@ -215,9 +286,15 @@ def test_resume_drops_truncated_line(tiny_model_file, tmp_path, monkeypatch, cap
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "showattendtell.cli", "caption", *args],
-                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, text=True, preexec_fn=default_sigint)
+    return subprocess.Popen(
+        [sys.executable, "-m", "showattendtell.cli", "caption", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        text=True,
+        preexec_fn=default_sigint,
+    )
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> int:
@@ -244,8 +321,22 @@ def test_interrupt_kill_and_resume(tiny_model_file, tmp_path, monkeypatch):
         shutil.copy(p, (folder / "sub" if i % 3 == 0 else folder) / p.name)
     out = tmp_path / "out.jsonl"
     # one image a batch and the overlay sheets keep the run slow enough to stop it midway
-    args = ["many", "-r", "-o", "out.jsonl", "--model", str(tiny_model_file), "--workers", "1",
-            "--batch-size", "1", "--beam-size", "1", "--overlays", "sheets"]
+    args = [
+        "many",
+        "-r",
+        "-o",
+        "out.jsonl",
+        "--model",
+        str(tiny_model_file),
+        "--workers",
+        "1",
+        "--batch-size",
+        "1",
+        "--beam-size",
+        "1",
+        "--overlays",
+        "sheets",
+    ]
 
     proc = _start(args, tmp_path)
     _wait_for_lines(out, 3, proc)
@@ -276,8 +367,9 @@ def test_interrupt_kill_and_resume(tiny_model_file, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_second_process_on_the_same_output_is_refused(tiny_model_file, tmp_path, monkeypatch,
-                                                        capsys):
+def test_a_second_process_on_the_same_output_is_refused(
+    tiny_model_file, tmp_path, monkeypatch, capsys
+):
     """Two `sat caption` processes given one --output: the second stops in one line while the
     first goes on, and the file ends with every image once (not both writers' records)."""
     folder = tmp_path / "few"
@@ -285,8 +377,21 @@ def test_a_second_process_on_the_same_output_is_refused(tiny_model_file, tmp_pat
     for p in photos(8):
         shutil.copy(p, folder / p.name)
     out = tmp_path / "out.jsonl"
-    args = ["few", "-o", "out.jsonl", "--model", str(tiny_model_file), "--workers", "0",
-            "--batch-size", "1", "--beam-size", "1", "--overlays", "sheets"]
+    args = [
+        "few",
+        "-o",
+        "out.jsonl",
+        "--model",
+        str(tiny_model_file),
+        "--workers",
+        "0",
+        "--batch-size",
+        "1",
+        "--beam-size",
+        "1",
+        "--overlays",
+        "sheets",
+    ]
     proc = _start(args, tmp_path)
     try:
         _wait_for_lines(out, 1, proc)
@@ -316,8 +421,22 @@ def test_sigterm_says_how_to_resume(tiny_model_file, tmp_path, monkeypatch):
         shutil.copy(p, folder / p.name)
     out = tmp_path / "out.jsonl"
     out.write_text("old results\n")
-    args = ["many", "-o", "out.jsonl", "--overwrite", "--model", str(tiny_model_file),
-            "--workers", "1", "--batch-size", "1", "--beam-size", "1", "--overlays", "sheets"]
+    args = [
+        "many",
+        "-o",
+        "out.jsonl",
+        "--overwrite",
+        "--model",
+        str(tiny_model_file),
+        "--workers",
+        "1",
+        "--batch-size",
+        "1",
+        "--beam-size",
+        "1",
+        "--overlays",
+        "sheets",
+    ]
     proc = _start(args, tmp_path)
     try:
         _wait_for_lines(out, 3, proc)
@@ -364,8 +483,10 @@ def test_paths_from_standard_input_and_urls(tiny_model_file, tmp_path, monkeypat
         for argv in ([url], ["-"]):
             assert main(["caption", *argv, *model]) == 2
             err = capsys.readouterr().err.strip()
-            assert err == (f"error: {url} is a web address: download it first (e.g. curl -O "
-                           "URL), then caption the file")
+            assert err == (
+                f"error: {url} is a web address: download it first (e.g. curl -O "
+                "URL), then caption the file"
+            )
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
     assert main(["caption", "-", *model]) == 2
     assert "no image paths on standard input" in capsys.readouterr().err
@@ -401,8 +522,7 @@ def test_file_names_that_are_not_utf8(fmt, tiny_model_file, tmp_path, monkeypatc
     assert "caf\\\\xe9 \\\\xff.jpg" in out_text or "caf\\xe9 \\xff.jpg" in out_text
 
 
-def test_a_folder_of_phone_photos_and_other_files(tiny_model_file, tmp_path, monkeypatch,
-                                                  capsys):
+def test_a_folder_of_phone_photos_and_other_files(tiny_model_file, tmp_path, monkeypatch, capsys):
     """HEIC photos are captioned like JPEGs; the files a folder scan leaves out are counted."""
     pillow_heif = pytest.importorskip("pillow_heif")
     monkeypatch.chdir(tmp_path)
@@ -414,8 +534,23 @@ def test_a_folder_of_phone_photos_and_other_files(tiny_model_file, tmp_path, mon
         pillow_heif.from_pillow(im.convert("RGB")).save(folder / "b.heic", quality=90)
     (folder / "notes.txt").write_text("not a photo\n")
     (folder / "scan.pdf").write_bytes(b"%PDF-1.4\n")
-    assert main(["caption", "phone", "-o", "out.jsonl", "--model", str(tiny_model_file),
-                 "--workers", "0", "--beam-size", "1"]) == 0
+    assert (
+        main(
+            [
+                "caption",
+                "phone",
+                "-o",
+                "out.jsonl",
+                "--model",
+                str(tiny_model_file),
+                "--workers",
+                "0",
+                "--beam-size",
+                "1",
+            ]
+        )
+        == 0
+    )
     records = read_jsonl(tmp_path / "out.jsonl")
     assert [r["path"] for r in records] == ["phone/a.jpg", "phone/b.heic"]
     assert all(r["caption"] and "error" not in r for r in records)
@@ -425,8 +560,25 @@ def test_a_folder_of_phone_photos_and_other_files(tiny_model_file, tmp_path, mon
 
 def test_sheets_are_named_after_the_file():
     """Folders are added only where file names clash (also by case only)."""
-    names = overlay_names(["/home/me/pictures/x.jpg", "2023/a.jpg", "2024/a.jpg",
-                           "trip/2023/b.jpg", "home/2023/b.jpg", "c.jpg", "C.JPG", "./c.jpg"])
-    assert list(names.values()) == ["x.jpg.png", "2023__a.jpg.png", "2024__a.jpg.png",
-                                    "trip__2023__b.jpg.png", "home__2023__b.jpg.png",
-                                    "c.jpg.png", "C.JPG-2.png", "c.jpg-3.png"]
+    names = overlay_names(
+        [
+            "/home/me/pictures/x.jpg",
+            "2023/a.jpg",
+            "2024/a.jpg",
+            "trip/2023/b.jpg",
+            "home/2023/b.jpg",
+            "c.jpg",
+            "C.JPG",
+            "./c.jpg",
+        ]
+    )
+    assert list(names.values()) == [
+        "x.jpg.png",
+        "2023__a.jpg.png",
+        "2024__a.jpg.png",
+        "trip__2023__b.jpg.png",
+        "home__2023__b.jpg.png",
+        "c.jpg.png",
+        "C.JPG-2.png",
+        "c.jpg-3.png",
+    ]

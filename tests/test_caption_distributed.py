@@ -27,22 +27,35 @@ TRAIN_MINI = SHARED / "data" / "coco2017_train_mini" / "images"
 N = 60
 needs_train_mini = pytest.mark.skipif(
     len(list(TRAIN_MINI.glob("*.jpg"))) < N,
-    reason=f"{N} real COCO photos not found in {TRAIN_MINI} (see data/README.md)")
+    reason=f"{N} real COCO photos not found in {TRAIN_MINI} (see data/README.md)",
+)
 
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> Path:
     """A folder of links to 60 real COCO train2017 photos (read in place)."""
-    return link_photos(tmp_path_factory.mktemp("dist") / "photos",
-                       sorted(TRAIN_MINI.glob("*.jpg"))[:N])
+    return link_photos(
+        tmp_path_factory.mktemp("dist") / "photos", sorted(TRAIN_MINI.glob("*.jpg"))[:N]
+    )
 
 
 def sat_caption(args: list[str], cwd: Path, mark: str = "", **popen) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"),
-           "SAT_TEST_MARK": mark}
-    return subprocess.Popen([sys.executable, "-m", "showattendtell.cli", "caption", *args],
-                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=default_sigint, **popen)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT / "src"),
+        "SAT_TEST_MARK": mark,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "showattendtell.cli", "caption", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+        **popen,
+    )
 
 
 def finished(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
@@ -66,8 +79,9 @@ def same_captions(got: list[dict], want: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def one_process(photos) -> list[dict]:
     """The reference: one process, batches of 4."""
-    code, err = finished(sat_caption(["photos", "-o", "one.jsonl", "--batch-size", "4"],
-                                     photos.parent))
+    code, err = finished(
+        sat_caption(["photos", "-o", "one.jsonl", "--batch-size", "4"], photos.parent)
+    )
     assert code == 0, err
     return records(photos.parent / "one.jsonl")
 
@@ -75,8 +89,11 @@ def one_process(photos) -> list[dict]:
 @needs_train_mini
 @pytest.mark.slow
 def test_two_processes_write_what_one_writes(photos, one_process):
-    code, err = finished(sat_caption(["photos", "-o", "two.jsonl", "--batch-size", "4",
-                                      "--devices", "2"], photos.parent))
+    code, err = finished(
+        sat_caption(
+            ["photos", "-o", "two.jsonl", "--batch-size", "4", "--devices", "2"], photos.parent
+        )
+    )
     assert code == 0, err
     assert f"{N}/{N} images" in err  # progress counts the photos of both processes
     assert f"captioned {N}; failed 0" in err
@@ -96,8 +113,7 @@ def processes(mark: str) -> dict[int, tuple[int, str | None]]:
             continue
         if f"SAT_TEST_MARK={mark}".encode() not in env or ") Z " in stat:
             continue
-        rank = next((v.split(b"=")[1].decode() for v in env if v.startswith(b"LOCAL_RANK=")),
-                    None)
+        rank = next((v.split(b"=")[1].decode() for v in env if v.startswith(b"LOCAL_RANK=")), None)
         found[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), rank)
     return found
 
@@ -172,10 +188,13 @@ def test_batches_are_shared_out_once_in_order():
             assert all(g % world == r for g in m)
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--devices", "0"], "--devices and --num-nodes must be at least 1"),
-    (["--devices", "2", "--device", "cuda:1"], "names one device"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "0"], "--devices and --num-nodes must be at least 1"),
+        (["--devices", "2", "--device", "cuda:1"], "names one device"),
+    ],
+)
 def test_usage_errors(argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "a.jpg").write_bytes(b"")
     monkeypatch.chdir(tmp_path)

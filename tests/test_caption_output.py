@@ -24,43 +24,52 @@ def caption(tmp_path, monkeypatch, model: Path, *args: str) -> int:
     return main(["caption", *args, "--model", str(model), "--workers", "0", "--beam-size", "1"])
 
 
-@pytest.mark.parametrize("name,content", [
-    ("notes.txt", b"notes\nlast line"),  # a last line without a newline is kept
-    ("notes.jsonl", b"notes"),  # one line, no newline: not a partial record
-    ("one.jsonl", b'{"a": 1}'),  # JSON, but not a record of ours
-    ("two.jsonl", b'{"path": "x.jpg", "caption": "a dog"}\nnot json\n'),
-    ("blank.csv", b"\n\n"),
-    ("table.csv", b"name,value\nx,1\n"),
-    ("jsonl.csv", b'{"path": "x.jpg", "caption": "a dog", "score": -1.0}\n'),
-    ("csv.jsonl", b"path,caption,score,log_prob,error,warning\nx.jpg,a dog,-1.0,-1.0,,\n"),
-    ("partial.csv", b"path,caption,score,log_prob,error,warning\nx.jpg,a dog,-1,-1,,\n"
-                    b"some,thing,that,has,too,many,columns"),
-    ("columns.csv", b"path,caption,score,log_prob,error,warning\nx.jpg,a dog\n"),
-])
-def test_resume_refuses_a_foreign_file_and_leaves_its_bytes(name, content, images, tiny_model_file,
-                                                            tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "name,content",
+    [
+        ("notes.txt", b"notes\nlast line"),  # a last line without a newline is kept
+        ("notes.jsonl", b"notes"),  # one line, no newline: not a partial record
+        ("one.jsonl", b'{"a": 1}'),  # JSON, but not a record of ours
+        ("two.jsonl", b'{"path": "x.jpg", "caption": "a dog"}\nnot json\n'),
+        ("blank.csv", b"\n\n"),
+        ("table.csv", b"name,value\nx,1\n"),
+        ("jsonl.csv", b'{"path": "x.jpg", "caption": "a dog", "score": -1.0}\n'),
+        ("csv.jsonl", b"path,caption,score,log_prob,error,warning\nx.jpg,a dog,-1.0,-1.0,,\n"),
+        (
+            "partial.csv",
+            b"path,caption,score,log_prob,error,warning\nx.jpg,a dog,-1,-1,,\n"
+            b"some,thing,that,has,too,many,columns",
+        ),
+        ("columns.csv", b"path,caption,score,log_prob,error,warning\nx.jpg,a dog\n"),
+    ],
+)
+def test_resume_refuses_a_foreign_file_and_leaves_its_bytes(
+    name, content, images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
     out = tmp_path / name
     out.write_bytes(content)
     fmt = ["--format", "csv" if name.endswith(".csv") else "jsonl"]
-    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", name, *fmt,
-                   "--resume") == 2
+    assert (
+        caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", name, *fmt, "--resume") == 2
+    )
     assert out.read_bytes() == content
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --resume:") and "\n" not in err and "left as it was" in err
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv"])
-def test_resume_removes_only_a_partial_last_record(fmt, images, tiny_model_file, tmp_path,
-                                                   monkeypatch):
+def test_resume_removes_only_a_partial_last_record(
+    fmt, images, tiny_model_file, tmp_path, monkeypatch
+):
     name = f"out.{fmt}"
     out = tmp_path / name
     assert caption(tmp_path, monkeypatch, tiny_model_file, *images[:2], "-o", name) == 0
     first = out.read_bytes()
-    partial = (b'{"path": "img2.png", "capt' if fmt == "jsonl" else b'img2.png,"a red squ')
+    partial = b'{"path": "img2.png", "capt' if fmt == "jsonl" else b'img2.png,"a red squ'
     out.write_bytes(first + partial)  # killed in the middle of writing the third record
     assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", name, "--resume") == 0
     data = out.read_bytes()
-    rest = data[len(first):]  # what was there is kept as it was; the tail is replaced whole
+    rest = data[len(first) :]  # what was there is kept as it was; the tail is replaced whole
     assert data.startswith(first) and rest.count(b"\n") == 1 and rest.endswith(b"\n")
     if fmt == "jsonl":
         assert [json.loads(x)["path"] for x in data.decode().splitlines()] == images
@@ -68,35 +77,45 @@ def test_resume_removes_only_a_partial_last_record(fmt, images, tiny_model_file,
         assert [x.split(",")[0] for x in data.decode().splitlines()[1:]] == images
 
 
-def test_resume_keeps_a_file_written_without_the_warning_column(images, tiny_model_file,
-                                                                 tmp_path, monkeypatch):
+def test_resume_keeps_a_file_written_without_the_warning_column(
+    images, tiny_model_file, tmp_path, monkeypatch
+):
     out = tmp_path / "old.csv"
     old = b"path,caption,score,log_prob,error\nimg0.png,a red circle,-1.0,-2.0,\n"
     out.write_bytes(old)
-    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "old.csv",
-                   "--resume") == 0
+    assert (
+        caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "old.csv", "--resume") == 0
+    )
     data = out.read_bytes()
     lines = data.decode().splitlines()
     assert data.startswith(old) and len(lines) == 4
     assert all(len(x.split(",")) == 5 for x in lines)  # the file's own layout is kept
 
 
-def test_resume_refuses_other_attention_options(images, tiny_model_file, tmp_path, monkeypatch,
-                                                capsys):
+def test_resume_refuses_other_attention_options(
+    images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
     out = tmp_path / "att.jsonl"
-    assert caption(tmp_path, monkeypatch, tiny_model_file, images[0], "-o", "att.jsonl",
-                   "--with-attention") == 0
+    assert (
+        caption(
+            tmp_path, monkeypatch, tiny_model_file, images[0], "-o", "att.jsonl", "--with-attention"
+        )
+        == 0
+    )
     before = out.read_bytes()
-    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "att.jsonl",
-                   "--resume") == 2
+    assert (
+        caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "att.jsonl", "--resume") == 2
+    )
     assert out.read_bytes() == before
     assert "with --with-attention" in capsys.readouterr().err
 
 
 def test_csv_records_with_newlines_in_file_names(tmp_path):
     out = tmp_path / "nl.csv"
-    good = ('path,caption,score,log_prob,error,warning\n"a\nb.jpg",a dog,-1,-1,,\n'
-            '"c\n.jpg",a cat,-1,-1,,\n')
+    good = (
+        'path,caption,score,log_prob,error,warning\n"a\nb.jpg",a dog,-1,-1,,\n'
+        '"c\n.jpg",a cat,-1,-1,,\n'
+    )
     out.write_text(good + '"d\nx.jpg",a b')
     point = scan_output(out, "csv", with_attention=False)
     assert point.done == {"a\nb.jpg", "c\n.jpg"} and point.keep_bytes == len(good.encode())
@@ -115,8 +134,9 @@ def test_scan_accepts_a_partial_first_record(tmp_path):
         scan_output(out, "csv", False)
 
 
-def test_unwritable_output_and_overlay_folders(images, tiny_model_file, tmp_path, monkeypatch,
-                                               capsys):
+def test_unwritable_output_and_overlay_folders(
+    images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
     for args in (["-o", "/proc/forbidden/x.jsonl"], ["--overlays", "/proc/forbidden/sheets"]):
         assert caption(tmp_path, monkeypatch, tiny_model_file, *images, *args) == 2
         err = capsys.readouterr().err.strip()
@@ -132,17 +152,21 @@ def test_full_disk_is_one_line(images, tiny_model_file, tmp_path, monkeypatch, c
 
 
 def test_outputs_are_strict_json(images, tiny_model_file, tmp_path, monkeypatch, capsys):
-    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "--length-penalty",
-                   "nan") == 2
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "--length-penalty", "nan") == 2
     assert "length penalty" in capsys.readouterr().err
-    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "--with-attention",
-                   "--beam-size", "3") == 0
+    assert (
+        caption(
+            tmp_path, monkeypatch, tiny_model_file, *images, "--with-attention", "--beam-size", "3"
+        )
+        == 0
+    )
     for line in capsys.readouterr().out.splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON: {c}"))
 
 
-def test_a_second_run_on_the_same_output_stops_in_one_line(images, tiny_model_file, tmp_path,
-                                                           monkeypatch, capsys):
+def test_a_second_run_on_the_same_output_stops_in_one_line(
+    images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
     """While a run holds --output (here: a lock taken as a running `sat caption` takes it), a
     second run on that file, fresh or --resume, exits 2 in one line and leaves it byte for byte."""
     pytest.importorskip("fcntl")
@@ -155,38 +179,50 @@ def test_a_second_run_on_the_same_output_stops_in_one_line(images, tiny_model_fi
     held = OutputLock(out)
     try:
         for extra in ([], ["--resume"]):
-            assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl",
-                           *extra) == 2
+            assert (
+                caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl", *extra)
+                == 2
+            )
             err = capsys.readouterr().err.strip()
-            assert err.startswith("error: --output out.jsonl is being written by another "
-                                  "`sat caption` run") and "\n" not in err
+            assert (
+                err.startswith(
+                    "error: --output out.jsonl is being written by another `sat caption` run"
+                )
+                and "\n" not in err
+            )
             assert out.read_bytes() == before
     finally:
         held.release()
     assert out.read_bytes() == before  # releasing a lock on a file it did not create keeps it
-    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl",
-                   "--resume") == 0
+    assert (
+        caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl", "--resume") == 0
+    )
     assert len(out.read_text().splitlines()) == 3
 
 
-def test_a_run_that_stops_before_captioning_leaves_no_output_file(images, tmp_path, monkeypatch,
-                                                                  capsys):
+def test_a_run_that_stops_before_captioning_leaves_no_output_file(
+    images, tmp_path, monkeypatch, capsys
+):
     """The lock creates the output file; a run that fails before its first record (here: a
     model file that does not exist) removes it again, and a file that was there stays."""
-    assert caption(tmp_path, monkeypatch, tmp_path / "none.safetensors", *images,
-                   "-o", "new.jsonl") == 2
+    assert (
+        caption(tmp_path, monkeypatch, tmp_path / "none.safetensors", *images, "-o", "new.jsonl")
+        == 2
+    )
     assert not (tmp_path / "new.jsonl").exists()
     (tmp_path / "old.jsonl").write_bytes(b"")
-    assert caption(tmp_path, monkeypatch, tmp_path / "none.safetensors", *images,
-                   "-o", "old.jsonl") == 2
+    assert (
+        caption(tmp_path, monkeypatch, tmp_path / "none.safetensors", *images, "-o", "old.jsonl")
+        == 2
+    )
     assert (tmp_path / "old.jsonl").exists()
     capsys.readouterr()
 
 
 @pytest.mark.parametrize("content", [b"my notes\n", b'{"path": "img0.png", "caption": "a"}\n'])
-def test_an_existing_output_is_refused_without_resume_or_overwrite(content, images,
-                                                                   tiny_model_file, tmp_path,
-                                                                   monkeypatch, capsys):
+def test_an_existing_output_is_refused_without_resume_or_overwrite(
+    content, images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
     """A notes file, or the output of an interrupted run, is never truncated by a run that was
     not told to replace it; --overwrite replaces it, an empty file needs no option."""
     out = tmp_path / "out.jsonl"
@@ -196,12 +232,25 @@ def test_an_existing_output_is_refused_without_resume_or_overwrite(content, imag
     assert err.startswith("error: --output out.jsonl already exists") and "\n" not in err
     assert "--resume" in err and "--overwrite" in err
     assert out.read_bytes() == content
-    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl",
-                   "--overwrite", "--resume") == 2
+    assert (
+        caption(
+            tmp_path,
+            monkeypatch,
+            tiny_model_file,
+            *images,
+            "-o",
+            "out.jsonl",
+            "--overwrite",
+            "--resume",
+        )
+        == 2
+    )
     assert "give one" in capsys.readouterr().err
     assert out.read_bytes() == content
-    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl",
-                   "--overwrite") == 0
+    assert (
+        caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl", "--overwrite")
+        == 0
+    )
     assert [json.loads(x)["path"] for x in out.read_text().splitlines()] == images
     out.write_bytes(b"")
     assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl") == 0

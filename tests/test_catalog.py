@@ -41,17 +41,38 @@ def test_unknown_names_and_folders_are_one_line_usage_errors(tmp_path, capsys):
 
 def test_caption_with_a_bundled_model_name(tmp_path, capsys):
     (img,) = write_photos(tmp_path, 1, seed=0, name="x.png")
-    assert main(["caption", str(img), "--model", "flickr8k_lite2_hard", "--beam-size", "1",
-                 "--workers", "0"]) == 0
+    assert (
+        main(
+            [
+                "caption",
+                str(img),
+                "--model",
+                "flickr8k_lite2_hard",
+                "--beam-size",
+                "1",
+                "--workers",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["caption"]
 
 
 def test_sat_models_lists_bundled_and_env_models(tiny_hard_model_file, monkeypatch, capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    for expected in ("flickr8k_lite2_soft (default)", "flickr8k_lite2_hard", "efficientnet_lite2",
-                     "260 px", "9x9x1280", "words", "beam 5", "hard mode argmax",
-                     "consensus reranking; consensus index of 6000 photos"):
+    for expected in (
+        "flickr8k_lite2_soft (default)",
+        "flickr8k_lite2_hard",
+        "efficientnet_lite2",
+        "260 px",
+        "9x9x1280",
+        "words",
+        "beam 5",
+        "hard mode argmax",
+        "consensus reranking; consensus index of 6000 photos",
+    ):
         assert expected in out, expected
     monkeypatch.setenv("SAT_MODEL", str(tiny_hard_model_file))
     assert main(["models", "--json"]) == 0
@@ -67,4 +88,3 @@ def test_a_missing_sat_model_file_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("SAT_MODEL", str(tmp_path / "gone.safetensors"))
     with pytest.raises(ModelNotFound, match=r"\$SAT_MODEL is .*gone.safetensors"):
         load_model(None)
-

@@ -35,28 +35,58 @@ def _coco_archives() -> dict[str, bytes]:
     jpeg = {i: encode(Image.new("RGB", (32, 24), (i * 40 % 256, 90, 160))) for i in name}
 
     def captions(ids):
-        return json.dumps({
-            "images": [{"id": i, "file_name": name[i], "width": 32, "height": 24} for i in ids],
-            "annotations": [{"id": 100 * i + k, "image_id": i, "caption": f"picture {i} take {k}"}
-                            for i in ids for k in range(5)],
-            "type": "captions", "info": {}, "licenses": [],
-        }).encode()
+        return json.dumps(
+            {
+                "images": [{"id": i, "file_name": name[i], "width": 32, "height": 24} for i in ids],
+                "annotations": [
+                    {"id": 100 * i + k, "image_id": i, "caption": f"picture {i} take {k}"}
+                    for i in ids
+                    for k in range(5)
+                ],
+                "type": "captions",
+                "info": {},
+                "licenses": [],
+            }
+        ).encode()
 
-    karpathy_split = {1: "train", 2: "train", 3: "restval", 10: "restval", 11: "val",
-                      12: "test", 13: "test"}
-    dataset_coco = json.dumps({"dataset": "coco", "images": [
-        {"filepath": d, "filename": name[i], "cocoid": i, "split": karpathy_split[i],
-         "sentences": [{"raw": f"picture {i} take {k}"} for k in range(5)]}
-        for i, d in {**train, **val}.items()]}).encode()
+    karpathy_split = {
+        1: "train",
+        2: "train",
+        3: "restval",
+        10: "restval",
+        11: "val",
+        12: "test",
+        13: "test",
+    }
+    dataset_coco = json.dumps(
+        {
+            "dataset": "coco",
+            "images": [
+                {
+                    "filepath": d,
+                    "filename": name[i],
+                    "cocoid": i,
+                    "split": karpathy_split[i],
+                    "sentences": [{"raw": f"picture {i} take {k}"} for k in range(5)],
+                }
+                for i, d in {**train, **val}.items()
+            ],
+        }
+    ).encode()
     return {
-        "annotations/annotations_trainval2014.zip": _zip({
-            "annotations/captions_train2014.json": captions(train),
-            "annotations/captions_val2014.json": captions(val),
-            "annotations/instances_train2014.json": b"{}",  # not unpacked: captions only
-        }),
-        "people/karpathy/deepimagesent/caption_datasets.zip": _zip({
-            "dataset_coco.json": dataset_coco, "dataset_flickr8k.json": b"{}",
-        }),
+        "annotations/annotations_trainval2014.zip": _zip(
+            {
+                "annotations/captions_train2014.json": captions(train),
+                "annotations/captions_val2014.json": captions(val),
+                "annotations/instances_train2014.json": b"{}",  # not unpacked: captions only
+            }
+        ),
+        "people/karpathy/deepimagesent/caption_datasets.zip": _zip(
+            {
+                "dataset_coco.json": dataset_coco,
+                "dataset_flickr8k.json": b"{}",
+            }
+        ),
         "zips/train2014.zip": _zip({f"train2014/{name[i]}": jpeg[i] for i in train}),
         "zips/val2014.zip": _zip({f"val2014/{name[i]}": jpeg[i] for i in val}),
     }
@@ -114,16 +144,29 @@ def server():
 
 
 def _manifest(tmp_path: Path, files: dict[str, bytes], md5: bool = True) -> Path:
-    m = {Path(p).name: {"size": len(d), "md5": hashlib.md5(d).hexdigest() if md5 else None}
-         for p, d in files.items()}
+    m = {
+        Path(p).name: {"size": len(d), "md5": hashlib.md5(d).hexdigest() if md5 else None}
+        for p, d in files.items()
+    }
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps(m))
     return path
 
 
 def _sat_data(server, root: Path, manifest: Path, *extra: str) -> int:
-    return main(["data", "coco", "--root", str(root), "--base-url", server.base,
-                 "--manifest", str(manifest), *extra])
+    return main(
+        [
+            "data",
+            "coco",
+            "--root",
+            str(root),
+            "--base-url",
+            server.base,
+            "--manifest",
+            str(manifest),
+            *extra,
+        ]
+    )
 
 
 def test_downloads_verifies_unpacks_and_loads(server, tmp_path, capsys):
@@ -135,7 +178,10 @@ def test_downloads_verifies_unpacks_and_loads(server, tmp_path, capsys):
     for target in ("annotations", "caption_datasets", "train2014", "val2014"):
         assert (root / target / download.MARKER).is_file()
     assert sorted(p.name for p in (root / "annotations").iterdir()) == [
-        download.MARKER, "captions_train2014.json", "captions_val2014.json"]
+        download.MARKER,
+        "captions_train2014.json",
+        "captions_val2014.json",
+    ]
     assert not list((root / "downloads").iterdir())  # archives deleted after unpacking
     assert not list(root.glob(".*unpacking"))
 
@@ -171,8 +217,18 @@ def test_resumes_within_one_run(server, tmp_path):
     root = tmp_path / "coco"
     path = "zips/train2014.zip"
     server.cut[path] = 1000
-    assert _sat_data(server, root, _manifest(tmp_path, server.files),
-                     "--only", "train2014.zip", "--retries", "2") == 0
+    assert (
+        _sat_data(
+            server,
+            root,
+            _manifest(tmp_path, server.files),
+            "--only",
+            "train2014.zip",
+            "--retries",
+            "2",
+        )
+        == 0
+    )
     assert [r for p, r in server.requests if p == path] == [None, "bytes=1000-"]
     assert len(list((root / "train2014").glob("*.jpg"))) == 3
 
@@ -234,8 +290,16 @@ def test_refuses_a_folder_it_did_not_unpack(server, tmp_path, capsys):
 
 def test_missing_file_on_server_is_a_clear_error(server, tmp_path, capsys):
     del server.files["zips/val2014.zip"]
-    assert _sat_data(server, tmp_path / "c", _manifest(tmp_path, {"val2014.zip": b"x"}),
-                     "--only", "val2014.zip") == 1
+    assert (
+        _sat_data(
+            server,
+            tmp_path / "c",
+            _manifest(tmp_path, {"val2014.zip": b"x"}),
+            "--only",
+            "val2014.zip",
+        )
+        == 1
+    )
     assert "HTTP 404" in capsys.readouterr().err
 
 
@@ -243,7 +307,8 @@ def test_official_manifest_is_complete():
     names = {a.name: a for a in download.COCO_ARCHIVES}
     assert names["train2014.zip"].url() == "http://images.cocodataset.org/zips/train2014.zip"
     assert names["caption_datasets.zip"].url() == (
-        "https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip")
+        "https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip"
+    )
     assert names["val2014.zip"].size == 6_645_013_297
     assert all(a.md5 for a in download.COCO_ARCHIVES if a.name != "caption_datasets.zip")
 

@@ -32,9 +32,9 @@ def test_an_ensemble_of_a_model_with_itself_is_that_model(tiny_model_file, tmp_p
         assert np.allclose(a[0].attention, b[0].attention, atol=1e-6)
 
 
-def test_ensemble_step_averages_the_members_probabilities_and_maps(tiny_model_file,
-                                                                   tiny_hard_model_file,
-                                                                   tmp_path):
+def test_ensemble_step_averages_the_members_probabilities_and_maps(
+    tiny_model_file, tiny_hard_model_file, tmp_path
+):
     captioner = load_model(f"{tiny_model_file}+{tiny_hard_model_file}", "cpu")
     soft, _, _ = read_model(tiny_model_file)
     hard, _, _ = read_model(tiny_hard_model_file)
@@ -43,8 +43,7 @@ def test_ensemble_step_averages_the_members_probabilities_and_maps(tiny_model_fi
     grids = soft.encoder(torch.stack([captioner.preprocess(p) for p in paths]))
     words = torch.tensor([1, 1, 1])
     with torch.no_grad():
-        step = captioner.model.decoder.step(words, captioner.model.decoder.start(grids),
-                                            "argmax")
+        step = captioner.model.decoder.step(words, captioner.model.decoder.start(grids), "argmax")
         s = soft.decoder.step(words, soft.decoder.start(grids), "argmax")
         h = hard.decoder.step(words, hard.decoder.start(grids), "argmax")
     expected = torch.log((s.log_probs.exp() + h.log_probs.exp()) / 2)
@@ -76,7 +75,9 @@ def test_resolve_models_reads_a_plus_b(tiny_model_file, tmp_path):
     assert resolve_models(tiny_model_file) == [tiny_model_file]
     assert resolve_models(f"{tiny_model_file}+{tiny_model_file}") == [tiny_model_file] * 2
     assert [p.stem for p in resolve_models("flickr8k_lite2_soft+flickr8k_lite2_hard")] == [
-        "flickr8k_lite2_soft", "flickr8k_lite2_hard"]
+        "flickr8k_lite2_soft",
+        "flickr8k_lite2_hard",
+    ]
     plus = tmp_path / "a+b.safetensors"  # an existing file is that file, "+" or not
     shutil.copy(tiny_model_file, plus)
     assert resolve_models(plus) == [plus]
@@ -96,7 +97,9 @@ def test_sat_caption_with_an_ensemble(tiny_model_file, tiny_hard_model_file, tmp
     other, decoding, _ = read_model(tiny_model_file)
     other.vocab = Vocabulary([*other.vocab.itos[:4], "zebra", *other.vocab.itos[5:]])
     save_model(other, tmp_path / "zebra.safetensors", decoding)
-    assert main(["caption", *paths, "--model",
-                 f"{tiny_model_file}+{tmp_path / 'zebra.safetensors'}"]) == 2
+    assert (
+        main(["caption", *paths, "--model", f"{tiny_model_file}+{tmp_path / 'zebra.safetensors'}"])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "another vocabulary" in err and "\n" not in err

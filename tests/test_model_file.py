@@ -66,8 +66,9 @@ def test_file_carries_its_configuration(tiny_model_file):
     assert json.loads(meta["vocab"])[:4] == ["<pad>", "<start>", "<end>", "<unk>"]
 
 
-@pytest.mark.parametrize("kind", ["missing", "text", "truncated", "foreign", "checkpoint",
-                                  "mismatch"])
+@pytest.mark.parametrize(
+    "kind", ["missing", "text", "truncated", "foreign", "checkpoint", "mismatch"]
+)
 def test_bad_model_files_give_clear_errors(kind, tiny_model_file, tmp_path):
     from safetensors.torch import save_file
 
@@ -176,7 +177,8 @@ def test_a_spatial_attention_model_round_trips_and_joins_an_ensemble(tiny_model_
     before = captioner.caption(images, beam_size=3)
     assert all(r.caption for r in before)
     again = save_model(captioner.model, tmp_path / "again.safetensors", captioner.decoding)
-    assert [r.caption for r in load_model(again, "cpu").caption(images, beam_size=3)] \
-        == [r.caption for r in before]
+    assert [r.caption for r in load_model(again, "cpu").caption(images, beam_size=3)] == [
+        r.caption for r in before
+    ]
     both = load_model(f"{tiny_model_file}+{after}", "cpu").caption(images, beam_size=3)
     assert all(r.caption and r.attention.shape == before[0].attention.shape for r in both)
