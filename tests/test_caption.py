@@ -23,6 +23,28 @@ from showattendtell.cli import main
 from showattendtell.commands.caption import overlay_names
 
 
+def quick_run(model: Path) -> list[str]:
+    """`sat caption` options for the quickest run in this process: no loader workers, greedy."""
+    return ["--model", str(model), "--workers", "0", "--beam-size", "1"]
+
+
+def slow_run(model: Path, workers: int = 1) -> list[str]:
+    """`sat caption` options for a run slow enough to stop midway: one photo a batch, greedy,
+    overlay sheets."""
+    return [
+        "--model",
+        str(model),
+        "--workers",
+        str(workers),
+        "--batch-size",
+        "1",
+        "--beam-size",
+        "1",
+        "--overlays",
+        "sheets",
+    ]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     text = path.read_text()
     assert text == "" or text.endswith("\n"), "the last line is truncated"
@@ -112,21 +134,7 @@ def test_mixed_folder_recursive_jsonl(mixed_folder, tiny_model_file, tmp_path, m
         assert by_path[name]["score"] == pytest.approx(alone.score, abs=1e-3)
 
     # without --recursive only the top folder
-    rc = main(
-        [
-            "caption",
-            "photos",
-            "-o",
-            str(out),
-            "--overwrite",
-            "--model",
-            str(tiny_model_file),
-            "--workers",
-            "0",
-            "--beam-size",
-            "1",
-        ]
-    )
+    rc = main(["caption", "photos", "-o", str(out), "--overwrite", *quick_run(tiny_model_file)])
     assert rc == 1
     assert [r["path"] for r in read_jsonl(out)] == [p for p in expected if p.count("/") == 1]
 
@@ -183,20 +191,8 @@ def test_stdout_jsonl_exit_0_and_exif(tiny_model_file, tmp_path, monkeypatch, ca
     exif = Image.Exif()
     exif[0x0112] = 6
     im.transpose(Image.Transpose.ROTATE_90).save("rotated.jpg", quality=95, exif=exif)
-    rc = main(
-        [
-            "caption",
-            "upright.jpg",
-            "rotated.jpg",
-            "--with-attention",
-            "--model",
-            str(tiny_model_file),
-            "--workers",
-            "0",
-            "--beam-size",
-            "1",
-        ]
-    )
+    args = ["upright.jpg", "rotated.jpg", "--with-attention", *quick_run(tiny_model_file)]
+    rc = main(["caption", *args])
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()
     up, rot = (json.loads(x) for x in lines)
@@ -267,7 +263,7 @@ def test_resume_drops_truncated_line(tiny_model_file, tmp_path, monkeypatch, cap
         shutil.copy(p, tmp_path / p.name)
         names.append(p.name)
     out = tmp_path / "out.jsonl"
-    model = ["--model", str(tiny_model_file), "--workers", "0", "--beam-size", "1"]
+    model = quick_run(tiny_model_file)
     assert main(["caption", *names[:2], "-o", "out.jsonl", *model]) == 0
     first = out.read_text()
     with open(out, "a") as f:  # as if killed in the middle of writing the third line
@@ -321,22 +317,7 @@ def test_interrupt_kill_and_resume(tiny_model_file, tmp_path, monkeypatch):
         shutil.copy(p, (folder / "sub" if i % 3 == 0 else folder) / p.name)
     out = tmp_path / "out.jsonl"
     # one image a batch and the overlay sheets keep the run slow enough to stop it midway
-    args = [
-        "many",
-        "-r",
-        "-o",
-        "out.jsonl",
-        "--model",
-        str(tiny_model_file),
-        "--workers",
-        "1",
-        "--batch-size",
-        "1",
-        "--beam-size",
-        "1",
-        "--overlays",
-        "sheets",
-    ]
+    args = ["many", "-r", "-o", "out.jsonl", *slow_run(tiny_model_file)]
 
     proc = _start(args, tmp_path)
     _wait_for_lines(out, 3, proc)
@@ -377,21 +358,7 @@ def test_a_second_process_on_the_same_output_is_refused(
     for p in photos(8):
         shutil.copy(p, folder / p.name)
     out = tmp_path / "out.jsonl"
-    args = [
-        "few",
-        "-o",
-        "out.jsonl",
-        "--model",
-        str(tiny_model_file),
-        "--workers",
-        "0",
-        "--batch-size",
-        "1",
-        "--beam-size",
-        "1",
-        "--overlays",
-        "sheets",
-    ]
+    args = ["few", "-o", "out.jsonl", *slow_run(tiny_model_file, workers=0)]
     proc = _start(args, tmp_path)
     try:
         _wait_for_lines(out, 1, proc)
@@ -421,22 +388,7 @@ def test_sigterm_says_how_to_resume(tiny_model_file, tmp_path, monkeypatch):
         shutil.copy(p, folder / p.name)
     out = tmp_path / "out.jsonl"
     out.write_text("old results\n")
-    args = [
-        "many",
-        "-o",
-        "out.jsonl",
-        "--overwrite",
-        "--model",
-        str(tiny_model_file),
-        "--workers",
-        "1",
-        "--batch-size",
-        "1",
-        "--beam-size",
-        "1",
-        "--overlays",
-        "sheets",
-    ]
+    args = ["many", "-o", "out.jsonl", "--overwrite", *slow_run(tiny_model_file)]
     proc = _start(args, tmp_path)
     try:
         _wait_for_lines(out, 3, proc)
@@ -472,7 +424,7 @@ def test_paths_from_standard_input_and_urls(tiny_model_file, tmp_path, monkeypat
         names.append(p.name)
     listed = f"{names[0]}\n\n{names[1]}\r\ngone.jpg\n".encode()
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(listed)))
-    model = ["--model", str(tiny_model_file), "--workers", "0", "--beam-size", "1"]
+    model = quick_run(tiny_model_file)
     assert main(["caption", "-", "-o", "out.jsonl", *model]) == 1
     records = read_jsonl(tmp_path / "out.jsonl")
     assert [r["path"] for r in records] == [*names, "gone.jpg"]
@@ -505,7 +457,7 @@ def test_file_names_that_are_not_utf8(fmt, tiny_model_file, tmp_path, monkeypatc
     assert raw in os.listdir(os.fsencode(folder))
     shutil.copy(photos(2)[1], folder / "plain.jpg")
     out = f"out.{fmt}"
-    model = ["--model", str(tiny_model_file), "--workers", "0", "--beam-size", "1"]
+    model = quick_run(tiny_model_file)
     assert main(["caption", "photos", "-o", out, *model]) == 0
     text = (tmp_path / out).read_bytes().decode("utf-8")  # strict: valid UTF-8
     if fmt == "jsonl":
@@ -534,23 +486,7 @@ def test_a_folder_of_phone_photos_and_other_files(tiny_model_file, tmp_path, mon
         pillow_heif.from_pillow(im.convert("RGB")).save(folder / "b.heic", quality=90)
     (folder / "notes.txt").write_text("not a photo\n")
     (folder / "scan.pdf").write_bytes(b"%PDF-1.4\n")
-    assert (
-        main(
-            [
-                "caption",
-                "phone",
-                "-o",
-                "out.jsonl",
-                "--model",
-                str(tiny_model_file),
-                "--workers",
-                "0",
-                "--beam-size",
-                "1",
-            ]
-        )
-        == 0
-    )
+    assert main(["caption", "phone", "-o", "out.jsonl", *quick_run(tiny_model_file)]) == 0
     records = read_jsonl(tmp_path / "out.jsonl")
     assert [r["path"] for r in records] == ["phone/a.jpg", "phone/b.heic"]
     assert all(r["caption"] and "error" not in r for r in records)
