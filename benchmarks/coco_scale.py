@@ -44,15 +44,19 @@ COCO_VOCABULARY = 10_000  # Karpathy's COCO vocabulary at min count 5: 9,487 wor
 WARMUP_STEPS = 20
 TRAIN_STEPS = 100
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-CAPTION_FILES = (SHARED / "coco2017_val_subset/annotations/captions_val2017.json",
-                 SHARED / "coco2017_train_mini/annotations/captions_train2017.json")
+CAPTION_FILES = (
+    SHARED / "coco2017_val_subset/annotations/captions_val2017.json",
+    SHARED / "coco2017_train_mini/annotations/captions_train2017.json",
+)
 
 
 def real_captions() -> list[str]:
     found = [f for f in CAPTION_FILES if f.is_file()]
     if not found:
-        raise SystemExit(f"no COCO caption file found ({CAPTION_FILES[0]}): the simulation "
-                         "samples the real COCO captions in ../shared")
+        raise SystemExit(
+            f"no COCO caption file found ({CAPTION_FILES[0]}): the simulation "
+            "samples the real COCO captions in ../shared"
+        )
     return [a["caption"] for f in found for a in json.loads(f.read_text())["annotations"]]
 
 
@@ -68,18 +72,33 @@ def build_dataset(root: Path, images: int, captions: list[str], seed: int = 0) -
     entries, sent = [], 0
     picks = rng.integers(0, len(captions), size=(images, CAPTIONS_PER_IMAGE))
     for i in range(images):
-        split = "val" if i < n_val else "test" if i < 2 * n_val else (
-            "train" if i % 7 else "restval")
+        split = (
+            "val" if i < n_val else "test" if i < 2 * n_val else ("train" if i % 7 else "restval")
+        )
         name = f"COCO_train2014_{i:012d}.jpg"
         (folder / name).touch()
         sentences = []
         for j in picks[i]:
-            sentences.append({"raw": captions[j], "sentid": sent, "imgid": i,
-                              "tokens": captions[j].lower().split()})
+            sentences.append(
+                {
+                    "raw": captions[j],
+                    "sentid": sent,
+                    "imgid": i,
+                    "tokens": captions[j].lower().split(),
+                }
+            )
             sent += 1
-        entries.append({"filepath": "train2014", "filename": name, "imgid": i, "split": split,
-                        "cocoid": i + 1, "sentids": [s["sentid"] for s in sentences],
-                        "sentences": sentences})
+        entries.append(
+            {
+                "filepath": "train2014",
+                "filename": name,
+                "imgid": i,
+                "split": split,
+                "cocoid": i + 1,
+                "sentids": [s["sentid"] for s in sentences],
+                "sentences": sentences,
+            }
+        )
     (root / "dataset_coco.json").write_text(json.dumps({"images": entries, "dataset": "coco"}))
     return {"val": n_val}
 
@@ -111,6 +130,7 @@ def run_scale(fraction: float) -> dict:
             def __exit__(self, *exc):
                 stages[name] = round(time.perf_counter() - self.t0, 3)
                 items[name] = n
+
         return _T()
 
     with tempfile.TemporaryDirectory(prefix="coco_scale_") as tmp:
@@ -135,12 +155,15 @@ def run_scale(fraction: float) -> dict:
         cache = FeatureCache.for_config(root / "cache", enc)
         everything = train + val
         with timed("cache_write", len(everything)):
-            grids = np.random.default_rng(0).standard_normal(
-                (1024, grid_len, feat_dim)).astype(np.float16)
+            grids = (
+                np.random.default_rng(0)
+                .standard_normal((1024, grid_len, feat_dim))
+                .astype(np.float16)
+            )
             for start in range(0, len(everything), 1024):
-                keys = [im.image_id for im in everything[start:start + 1024]]
+                keys = [im.image_id for im in everything[start : start + 1024]]
                 # the shard writer extract() uses, fed synthetic grids (no encoder runs here)
-                cache._write_shard(keys, [grids[:len(keys)]], len(keys))
+                cache._write_shard(keys, [grids[: len(keys)]], len(keys))
         with timed("cache_index", len(everything)):
             cache = FeatureCache(cache.dir)
         probe = np.random.default_rng(1).permutation(len(everything))[: len(everything) // 10]
@@ -156,14 +179,17 @@ def run_scale(fraction: float) -> dict:
         # unused words): a 1/10 sample has fewer words with 5 occurrences, and a smaller output
         # layer would make its steps faster for a reason that is not the data path.
         torch.manual_seed(0)
-        padded = Vocabulary([*vocab.itos, *(f"<unused{i}>" for i in range(
-            max(0, COCO_VOCABULARY - len(vocab))))])
-        model = CaptionModel(padded, enc, DecoderConfig("soft", 32, 64, 32, 0.0),
-                             load_encoder_weights=False)
+        padded = Vocabulary(
+            [*vocab.itos, *(f"<unused{i}>" for i in range(max(0, COCO_VOCABULARY - len(vocab))))]
+        )
+        model = CaptionModel(
+            padded, enc, DecoderConfig("soft", 32, 64, 32, 0.0), load_encoder_weights=False
+        )
         opt = torch.optim.Adam(model.decoder.parameters(), lr=1e-3)
         objective = MaximumLikelihood(1.0)
-        loader = torch.utils.data.DataLoader(pairs, batch_size=64, shuffle=True,
-                                             collate_fn=collate_captions, num_workers=0)
+        loader = torch.utils.data.DataLoader(
+            pairs, batch_size=64, shuffle=True, collate_fn=collate_captions, num_workers=0
+        )
         batches = iter(loader)
 
         def run_steps(steps: int) -> None:
@@ -194,16 +220,29 @@ def run_scale(fraction: float) -> dict:
             CiderDReward([[" ".join(tokenize(c)) for c in im.captions] for im in train])
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"fraction": fraction, "images": images, "captions": n_caps,
-            "train_images": len(train), "val_images": sizes["val"], "vocabulary": len(vocab),
-            "setup_s": round(setup_s, 1), "peak_rss_mb": round(peak, 1), "stages": stages,
-            "items": items}
+    return {
+        "fraction": fraction,
+        "images": images,
+        "captions": n_caps,
+        "train_images": len(train),
+        "val_images": sizes["val"],
+        "vocabulary": len(vocab),
+        "setup_s": round(setup_s, 1),
+        "peak_rss_mb": round(peak, 1),
+        "stages": stages,
+        "items": items,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scales", type=float, nargs="+", default=[0.1, 1.0],
-                   help="fractions of COCO's size (default: 0.1 1.0)")
+    p.add_argument(
+        "--scales",
+        type=float,
+        nargs="+",
+        default=[0.1, 1.0],
+        help="fractions of COCO's size (default: 0.1 1.0)",
+    )
     p.add_argument("--one", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one is not None:  # a child process: one scale
@@ -212,18 +251,25 @@ def main() -> None:
     t0 = time.perf_counter()
     scales = []
     for f in args.scales:
-        out = subprocess.run([sys.executable, __file__, "--one", str(f)], capture_output=True,
-                             text=True, check=False)
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", str(f)], capture_output=True, text=True, check=False
+        )
         if out.returncode:
             raise SystemExit(out.stderr[-3000:])
         scales.append(json.loads(out.stdout.strip().splitlines()[-1]))
         s = scales[-1]
-        print(f"scale {f:g}: {s['images']} images, {s['captions']} captions, peak RSS "
-              f"{s['peak_rss_mb']:.0f} MB: " + ", ".join(f"{k} {v:.1f} s"
-                                                          for k, v in s["stages"].items()),
-              file=sys.stderr)
-    result = {"scales": [{k: s[k] for k in ("images", "captions", "vocabulary", "peak_rss_mb",
-                                            "stages")} for s in scales]}
+        print(
+            f"scale {f:g}: {s['images']} images, {s['captions']} captions, peak RSS "
+            f"{s['peak_rss_mb']:.0f} MB: "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in s["stages"].items()),
+            file=sys.stderr,
+        )
+    result = {
+        "scales": [
+            {k: s[k] for k in ("images", "captions", "vocabulary", "peak_rss_mb", "stages")}
+            for s in scales
+        ]
+    }
     if len(scales) >= 2:  # per-item time, largest scale over smallest
         small, large = scales[0], scales[-1]
         ratio = {}

@@ -38,24 +38,49 @@ STAGES = (
     ("configs/flickr8k_lite2_soft.yaml", "flickr8k_lite2_soft_mle", "best", []),
     # soft attention, self-critical (CIDEr-D + 5 METEOR), 188 steps; decoded without repeating
     # a word bigram (the model card: better on every dev metric, and no "on a bike on a bike")
-    ("configs/flickr8k_lite2_soft_scst.yaml", "flickr8k_lite2_soft", "last",
-     ["--interpolate", "models/flickr8k_lite2_soft_mle.safetensors", "--alpha", "0.4",
-      "--no-repeat-ngram", "2", *CONSENSUS]),
+    (
+        "configs/flickr8k_lite2_soft_scst.yaml",
+        "flickr8k_lite2_soft",
+        "last",
+        [
+            "--interpolate",
+            "models/flickr8k_lite2_soft_mle.safetensors",
+            "--alpha",
+            "0.4",
+            "--no-repeat-ngram",
+            "2",
+            *CONSENSUS,
+        ],
+    ),
     # hard attention from its own sampled locations only (4 per caption, each against the mean
     # of the other 3), one epoch from the soft model, best dev CIDEr decoded with the argmax
     # location; decoded that way, without repeating a word bigram
-    ("configs/flickr8k_lite2_hard_single.yaml", "flickr8k_lite2_hard", "best",
-     ["--hard-mode", "argmax", "--no-repeat-ngram", "2", *CONSENSUS]),
+    (
+        "configs/flickr8k_lite2_hard_single.yaml",
+        "flickr8k_lite2_hard",
+        "best",
+        ["--hard-mode", "argmax", "--no-repeat-ngram", "2", *CONSENSUS],
+    ),
 )
 SCORED = ("flickr8k_lite2_soft", "flickr8k_lite2_hard")  # the models of the table
 BEAMS = (1, 3, 5)
 METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr")
 # Xu et al. 2015, Table 1, Flickr8k test split
 PAPER = {
-    "paper, soft": {"Bleu_1": 67.0, "Bleu_2": 44.8, "Bleu_3": 29.9, "Bleu_4": 19.5,
-                    "METEOR": 18.93},
-    "paper, hard": {"Bleu_1": 67.0, "Bleu_2": 45.7, "Bleu_3": 31.4, "Bleu_4": 21.3,
-                    "METEOR": 20.30},
+    "paper, soft": {
+        "Bleu_1": 67.0,
+        "Bleu_2": 44.8,
+        "Bleu_3": 29.9,
+        "Bleu_4": 19.5,
+        "METEOR": 18.93,
+    },
+    "paper, hard": {
+        "Bleu_1": 67.0,
+        "Bleu_2": 45.7,
+        "Bleu_3": 31.4,
+        "Bleu_4": 21.3,
+        "METEOR": 20.30,
+    },
 }
 
 
@@ -74,8 +99,9 @@ def sat(*args: str) -> str:
     return done.stdout
 
 
-def train_and_export(config: str, name: str, which: str, export: list[str],
-                     extra: list[str], root: str) -> Path:
+def train_and_export(
+    config: str, name: str, which: str, export: list[str], extra: list[str], root: str
+) -> Path:
     """Features (cached), training (resumed if interrupted), export of the ``which`` checkpoint
     (best by dev CIDEr, or last) to models/NAME.safetensors."""
     run_dir = Path(yaml.safe_load(Path(config).read_text())["run"]["dir"])
@@ -88,8 +114,16 @@ def train_and_export(config: str, name: str, which: str, export: list[str],
         sys.exit(f"no {which} checkpoint in {run_dir / 'checkpoints'}: did training run?")
     ckpt = ckpts[-1] if ckpts else run_dir / "checkpoints" / f"{which}-*.ckpt"
     model = Path("models") / f"{name}.safetensors"
-    sat("export", str(ckpt), str(model), "--overwrite", "--half", "--beam-size", "3",
-        *(a.replace("{root}", root) for a in export))
+    sat(
+        "export",
+        str(ckpt),
+        str(model),
+        "--overwrite",
+        "--half",
+        "--beam-size",
+        "3",
+        *(a.replace("{root}", root) for a in export),
+    )
     return model
 
 
@@ -106,14 +140,30 @@ def inference_modes(model: Path) -> list[str]:
     return ["argmax", "expectation"] if attention == "hard" else [""]
 
 
-def evaluate(model: Path, dataset: str, root: str, split: str, beam: int,
-             hard_mode: str = "") -> dict[str, float]:
+def evaluate(
+    model: Path, dataset: str, root: str, split: str, beam: int, hard_mode: str = ""
+) -> dict[str, float]:
     tag = f"-{hard_mode}" if hard_mode else ""
     out = Path("runs") / "eval" / f"{model.stem}-{dataset}-{split}-beam{beam}{tag}.json"
     mode = ["--hard-mode", hard_mode] if hard_mode else []
-    stdout = sat("evaluate", "--model", str(model), "--dataset", dataset, "--root", root,
-                 "--split", split, "--beam-size", str(beam), "--no-spice", "--output", str(out),
-                 "--overwrite", *mode)
+    stdout = sat(
+        "evaluate",
+        "--model",
+        str(model),
+        "--dataset",
+        dataset,
+        "--root",
+        root,
+        "--split",
+        split,
+        "--beam-size",
+        str(beam),
+        "--no-spice",
+        "--output",
+        str(out),
+        "--overwrite",
+        *mode,
+    )
     scores = stdout.strip().splitlines()[-1]
     print(scores, file=sys.stderr, flush=True)  # progress, in the log
     return json.loads(scores)
@@ -125,30 +175,42 @@ def row_name(model: Path, beam: int, hard_mode: str) -> str:
 
 
 def table(rows: dict[str, dict[str, float]], columns: tuple[str, ...]) -> str:
-    head = "| model | " + " | ".join(c.replace("_", "-").replace("Bleu", "BLEU")
-                                     for c in columns) + " |"
+    head = (
+        "| model | "
+        + " | ".join(c.replace("_", "-").replace("Bleu", "BLEU") for c in columns)
+        + " |"
+    )
     lines = [head, "|" + " --- |" * (len(columns) + 1)]
     for name, scores in rows.items():
-        cells = [f"{scores[c]:.{2 if c == 'METEOR' else 1}f}" if c in scores else ""
-                 for c in columns]
+        cells = [
+            f"{scores[c]:.{2 if c == 'METEOR' else 1}f}" if c in scores else "" for c in columns
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=None,
-                   help="with --skip-train: the model files to score")
+    p.add_argument(
+        "--models", nargs="+", default=None, help="with --skip-train: the model files to score"
+    )
     p.add_argument("--skip-train", action="store_true", help="score --models only")
     p.add_argument("--root", default="data/flickr8k", help="Flickr8k folder (data/README.md)")
-    p.add_argument("--split", default="dev", help="Flickr8k split to score (dev; test if you "
-                                                  "have its images)")
-    p.add_argument("--coco-root", default="",
-                   help="a COCO folder (official 2017 layout, val split) for an out-of-domain "
-                        "check (default: none)")
+    p.add_argument(
+        "--split", default="dev", help="Flickr8k split to score (dev; test if you have its images)"
+    )
+    p.add_argument(
+        "--coco-root",
+        default="",
+        help="a COCO folder (official 2017 layout, val split) for an out-of-domain "
+        "check (default: none)",
+    )
     p.add_argument("--beams", type=int, nargs="+", default=list(BEAMS))
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the sat commands of the training stages without running them")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the sat commands of the training stages without running them",
+    )
     p.add_argument("train_args", nargs="*", help="extra `sat train` overrides, after --")
     args = p.parse_args()
     global DRY_RUN

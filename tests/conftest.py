@@ -66,5 +66,6 @@ def tiny_hard_model_file(tmp_path_factory) -> Path:
     """The same with hard attention (decoded with the argmax location)."""
     from tiny_model import train_tiny_model
 
-    return train_tiny_model(tmp_path_factory.mktemp("models") / "tiny_hard.safetensors",
-                            attention="hard")
+    return train_tiny_model(
+        tmp_path_factory.mktemp("models") / "tiny_hard.safetensors", attention="hard"
+    )

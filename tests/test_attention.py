@@ -22,7 +22,7 @@ def test_padding_never_reaches_the_loss():
     grads1 = torch.autograd.grad(loss1, list(dec.parameters()))
     noisy = caps.clone()
     for b, n in enumerate(lengths.tolist()):
-        noisy[b, n + 1:] = torch.randint(4, 30, (caps.size(1) - n - 1,))  # garbage as padding
+        noisy[b, n + 1 :] = torch.randint(4, 30, (caps.size(1) - n - 1,))  # garbage as padding
     loss2 = soft_attention_loss(dec(a, noisy, lengths), 4).loss
     grads2 = torch.autograd.grad(loss2, list(dec.parameters()))
     assert torch.allclose(loss1, loss2)
@@ -50,7 +50,8 @@ def test_soft_loss_is_nll_plus_lambda_times_penalty():
 
 @pytest.mark.parametrize("piece_bytes", [1, 3 * (3 * 5 * 8 * 8), 2**30])  # 1 image, 3, all 7
 def test_attention_weights_are_the_tanh_scores_softmax_with_their_gradients(
-        monkeypatch, piece_bytes):
+    monkeypatch, piece_bytes
+):
     """AdditiveAttention.weights computes the scores as 2 w^T sigmoid(2x), at inference in
     pieces of images on a CPU: alpha and every gradient must be those of softmax(w^T tanh(x))."""
     from showattendtell import attention

@@ -91,16 +91,41 @@ def split(caption: str) -> list[str]:
 # -- the word map -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("word", "category"), [
-    ("man", "person"), ("men", "person"), ("women", "person"), ("children", "person"),
-    ("people", "person"), ("kids", "person"), ("skiers", "person"), ("surfer", "person"),
-    ("players", "person"), ("ladies", "person"), ("puppy", "dog"), ("puppies", "dog"),
-    ("dogs", "dog"), ("bike", "bicycle"), ("bikes", "bicycle"), ("bicycle", "bicycle"),
-    ("motorbike", "motorcycle"), ("motorcycles", "motorcycle"), ("plane", "airplane"),
-    ("jets", "airplane"), ("buses", "bus"), ("benches", "bench"), ("knives", "knife"),
-    ("mice", "mouse"), ("sheep", "sheep"), ("skis", "skis"), ("sofa", "couch"),
-    ("racquet", "tennis racket"), ("phone", "cell phone"), ("table", "dining table"),
-])
+@pytest.mark.parametrize(
+    ("word", "category"),
+    [
+        ("man", "person"),
+        ("men", "person"),
+        ("women", "person"),
+        ("children", "person"),
+        ("people", "person"),
+        ("kids", "person"),
+        ("skiers", "person"),
+        ("surfer", "person"),
+        ("players", "person"),
+        ("ladies", "person"),
+        ("puppy", "dog"),
+        ("puppies", "dog"),
+        ("dogs", "dog"),
+        ("bike", "bicycle"),
+        ("bikes", "bicycle"),
+        ("bicycle", "bicycle"),
+        ("motorbike", "motorcycle"),
+        ("motorcycles", "motorcycle"),
+        ("plane", "airplane"),
+        ("jets", "airplane"),
+        ("buses", "bus"),
+        ("benches", "bench"),
+        ("knives", "knife"),
+        ("mice", "mouse"),
+        ("sheep", "sheep"),
+        ("skis", "skis"),
+        ("sofa", "couch"),
+        ("racquet", "tennis racket"),
+        ("phone", "cell phone"),
+        ("table", "dining table"),
+    ],
+)
 def test_plurals_and_synonyms_map_to_their_category(word, category):
     assert WORD_TO_CATEGORY[word] == category
     assert category_words(["a", word.upper()]) == [(1, category)]  # compared in lower case
@@ -108,24 +133,41 @@ def test_plurals_and_synonyms_map_to_their_category(word, category):
 
 def test_two_word_names_are_scored_on_their_head_word():
     words = split("a hot dog and two dogs near teddy bears on a dirt bike at the bus stop")
-    assert category_words(words) == [(2, "hot dog"), (5, "dog"), (8, "teddy bear"),
-                                     (12, "motorcycle")]  # "bus stop" names nothing
+    assert category_words(words) == [
+        (2, "hot dog"),
+        (5, "dog"),
+        (8, "teddy bear"),
+        (12, "motorcycle"),
+    ]  # "bus stop" names nothing
     assert category_words(["a", "stop", "sign"]) == [(2, "stop sign")]
     assert category_words(["two", "wine", "glasses"]) == [(2, "wine glass")]
     assert category_words(["a", "bear"]) == [(1, "bear")]
 
 
 def test_ambiguous_and_unknown_words_are_not_mapped():
-    for word in ("orange", "glass", "glasses", "board", "sign", "light", "tree", "grass", "ski",
-                 "water", "the"):
+    for word in (
+        "orange",
+        "glass",
+        "glasses",
+        "board",
+        "sign",
+        "light",
+        "tree",
+        "grass",
+        "ski",
+        "water",
+        "the",
+    ):
         assert word not in WORD_TO_CATEGORY, word
     assert category_words(split("a boy in an orange shirt near a tree")) == [(1, "person")]
 
 
 def test_the_map_names_only_coco_categories():
     assert len(COCO_CATEGORIES) == 80
-    assert set(WORD_TO_CATEGORY.values()) | {c for c in BIGRAM_TO_CATEGORY.values() if c} \
+    assert (
+        set(WORD_TO_CATEGORY.values()) | {c for c in BIGRAM_TO_CATEGORY.values() if c}
         <= COCO_CATEGORIES
+    )
     if VAL_INSTANCES.is_file():
         official = {c["name"] for c in json.loads(VAL_INSTANCES.read_text())["categories"]}
         assert official == COCO_CATEGORIES
@@ -137,16 +179,39 @@ def test_the_map_names_only_coco_categories():
 def write_instances(path, images=((1, 40, 20),), anns=None, categories=None):
     """A COCO instances file: image 1 is 40 x 20 with a dog on its left half (a polygon) and a
     person on its right quarter; categories person, dog, cat."""
-    categories = categories or [{"id": 1, "name": "person"}, {"id": 18, "name": "dog"},
-                                {"id": 17, "name": "cat"}]
+    categories = categories or [
+        {"id": 1, "name": "person"},
+        {"id": 18, "name": "dog"},
+        {"id": 17, "name": "cat"},
+    ]
     if anns is None:
-        anns = [{"id": 10, "image_id": 1, "category_id": 18, "iscrowd": 0, "area": 400.0,
-                 "bbox": [0, 0, 20, 20], "segmentation": [[0, 0, 20, 0, 20, 20, 0, 20]]},
-                {"id": 11, "image_id": 1, "category_id": 1, "iscrowd": 0, "area": 200.0,
-                 "bbox": [30, 0, 10, 20], "segmentation": [[30, 0, 40, 0, 40, 20, 30, 20]]}]
-    data = {"images": [{"id": i, "width": w, "height": h, "file_name": f"{i:012d}.jpg"}
-                       for i, w, h in images],
-            "annotations": anns, "categories": categories}
+        anns = [
+            {
+                "id": 10,
+                "image_id": 1,
+                "category_id": 18,
+                "iscrowd": 0,
+                "area": 400.0,
+                "bbox": [0, 0, 20, 20],
+                "segmentation": [[0, 0, 20, 0, 20, 20, 0, 20]],
+            },
+            {
+                "id": 11,
+                "image_id": 1,
+                "category_id": 1,
+                "iscrowd": 0,
+                "area": 200.0,
+                "bbox": [30, 0, 10, 20],
+                "segmentation": [[30, 0, 40, 0, 40, 20, 30, 20]],
+            },
+        ]
+    data = {
+        "images": [
+            {"id": i, "width": w, "height": h, "file_name": f"{i:012d}.jpg"} for i, w, h in images
+        ],
+        "annotations": anns,
+        "categories": categories,
+    }
     path.write_text(json.dumps(data))
     return path
 
@@ -184,8 +249,15 @@ def test_aggregation_is_a_ratio_of_means_over_word_occurrences(tmp_path):
     assert (s["words"], s["correctness"], s["uniform"], s["ratio"]) == (3, 0.3, 0.3, 1.0)
     # (a mean of per-word ratios would be (5 + 0.2 + 1) / 3 = 2.07)
     empty = AttentionCorrectness(instances).summary()
-    assert empty == {"words": 0, "images": 0, "skipped_images": 0, "correctness": None,
-                     "uniform": None, "ratio": None, "per_category": {}}
+    assert empty == {
+        "words": 0,
+        "images": 0,
+        "skipped_images": 0,
+        "correctness": None,
+        "uniform": None,
+        "ratio": None,
+        "per_category": {},
+    }
 
 
 def test_hard_attention_from_one_location_is_scored_on_that_cell(tmp_path):
@@ -214,8 +286,9 @@ def test_uniform_attention_has_ratio_one_on_real_masks(tmp_path):
     acc.add(1, words, np.full((3, 9, 9), 1 / 81))
     s = acc.summary()
     assert s["words"] == 3 and s["ratio"] == pytest.approx(1.0, abs=1e-5)
-    assert s["per_category"]["dog"]["uniform"] == pytest.approx(instances.mask(1, "dog").mean(),
-                                                                abs=1e-6)
+    assert s["per_category"]["dog"]["uniform"] == pytest.approx(
+        instances.mask(1, "dog").mean(), abs=1e-6
+    )
 
 
 def test_masks_turn_with_the_photos_exif_orientation(tmp_path):
@@ -237,16 +310,22 @@ def test_masks_turn_with_the_photos_exif_orientation(tmp_path):
     assert (mask == shown).mean() > 0.95  # (JPEG edges aside) the mask is where the model sees it
 
 
-@pytest.mark.parametrize(("content", "match"), [
-    (None, "not found"),
-    ("{not json", "is not a JSON file"),
-    ('{"images": [], "annotations": [{"image_id": 1, "caption": "a dog"}]}', "captions file"),
-    ('[1, 2]', "not a COCO instances file"),
-    ('{"images": [{"id": 1, "width": 4, "height": 4}], "categories": [{"id": 1, "name": "dog"}],'
-     ' "annotations": [{"id": 5, "image_id": 1, "category_id": 7, "segmentation": []}]}',
-     "unknown image or category"),
-    ('{"images": [{"id": 1}], "categories": [], "annotations": []}', "lacks or mistypes"),
-])
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (None, "not found"),
+        ("{not json", "is not a JSON file"),
+        ('{"images": [], "annotations": [{"image_id": 1, "caption": "a dog"}]}', "captions file"),
+        ("[1, 2]", "not a COCO instances file"),
+        (
+            '{"images": [{"id": 1, "width": 4, "height": 4}],'
+            ' "categories": [{"id": 1, "name": "dog"}],'
+            ' "annotations": [{"id": 5, "image_id": 1, "category_id": 7, "segmentation": []}]}',
+            "unknown image or category",
+        ),
+        ('{"images": [{"id": 1}], "categories": [], "annotations": []}', "lacks or mistypes"),
+    ],
+)
 def test_bad_instances_files_are_one_line_usage_errors(tmp_path, content, match):
     path = tmp_path / "instances.json"
     if content is not None:
@@ -265,9 +344,17 @@ def run_evaluate(capsys, *args):
 
 
 def check_summary(ac: dict, n_images: int, measured_on: str = "attention weights") -> None:
-    assert list(ac) == ["measured_on", "words", "images", "skipped_images", "correctness",
-                        "uniform", "ratio", "per_category",
-                        *(["distribution"] if measured_on == "attended locations" else [])]
+    assert list(ac) == [
+        "measured_on",
+        "words",
+        "images",
+        "skipped_images",
+        "correctness",
+        "uniform",
+        "ratio",
+        "per_category",
+        *(["distribution"] if measured_on == "attended locations" else []),
+    ]
     assert ac["measured_on"] == measured_on
     assert ac["images"] + ac["skipped_images"] == n_images
     assert ac["words"] == sum(c["words"] for c in ac["per_category"].values())
@@ -284,14 +371,30 @@ def check_summary(ac: dict, n_images: int, measured_on: str = "attention weights
 def test_evaluate_reports_attention_correctness_on_the_val_subset(tmp_path, capsys):
     # the bundled default model at beam 1 on the first 8 photos (5 of them have masks)
     rc, captured = run_evaluate(
-        capsys, "--dataset", "coco", "--root", str(COCO_SUBSET), "--split", "val",
-        "--instances", str(VAL_INSTANCES), "--limit", "8", "--output", str(tmp_path / "r.json"))
+        capsys,
+        "--dataset",
+        "coco",
+        "--root",
+        str(COCO_SUBSET),
+        "--split",
+        "val",
+        "--instances",
+        str(VAL_INSTANCES),
+        "--limit",
+        "8",
+        "--output",
+        str(tmp_path / "r.json"),
+    )
     assert rc == 0, captured.err
     last = captured.out.strip().splitlines()[-1]
     scores = json.loads(last)  # strict JSON: json.loads would take NaN, so check the text too
     assert "NaN" not in last and "Infinity" not in last
-    assert list(scores) == [*KEYS, "repeated_bigram_captions", "mean_words",
-                            "attention_correctness"]  # the metric keys, unchanged
+    assert list(scores) == [
+        *KEYS,
+        "repeated_bigram_captions",
+        "mean_words",
+        "attention_correctness",
+    ]  # the metric keys, unchanged
     check_summary(scores["attention_correctness"], 8)
     assert scores["attention_correctness"]["skipped_images"] == 3
     assert "attention correctness:" in captured.err
@@ -302,19 +405,44 @@ def test_evaluate_reports_attention_correctness_on_the_val_subset(tmp_path, caps
 @needs_train_mini
 def test_evaluate_attention_correctness_on_the_train_mini_set(tmp_path, capsys):
     rc, captured = run_evaluate(
-        capsys, "--dataset", "coco", "--root", str(COCO_TRAIN_MINI), "--split", "train",
-        "--instances", str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"),
-        "--limit", "4", "--output", str(tmp_path / "r.json"))
+        capsys,
+        "--dataset",
+        "coco",
+        "--root",
+        str(COCO_TRAIN_MINI),
+        "--split",
+        "train",
+        "--instances",
+        str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"),
+        "--limit",
+        "4",
+        "--output",
+        str(tmp_path / "r.json"),
+    )
     assert rc == 0, captured.err
     ac = json.loads(captured.out.strip().splitlines()[-1])["attention_correctness"]
     check_summary(ac, 4)
     assert ac["skipped_images"] == 0  # every photo of the mini set has masks
     # the hard model decoded from its single most likely location: scored on that cell
     rc, captured = run_evaluate(
-        capsys, "--dataset", "coco", "--root", str(COCO_TRAIN_MINI), "--split", "train",
-        "--instances", str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"),
-        "--limit", "4", "--model", "flickr8k_lite2_hard", "--hard-mode", "argmax",
-        "--output", str(tmp_path / "h.json"))
+        capsys,
+        "--dataset",
+        "coco",
+        "--root",
+        str(COCO_TRAIN_MINI),
+        "--split",
+        "train",
+        "--instances",
+        str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"),
+        "--limit",
+        "4",
+        "--model",
+        "flickr8k_lite2_hard",
+        "--hard-mode",
+        "argmax",
+        "--output",
+        str(tmp_path / "h.json"),
+    )
     assert rc == 0, captured.err
     hard = json.loads(captured.out.strip().splitlines()[-1])["attention_correctness"]
     check_summary(hard, 4, "attended locations")
@@ -331,25 +459,49 @@ def one_line_error(rc, captured, match):
 
 @needs_java
 @needs_coco_subset
-@pytest.mark.parametrize(("instances", "match"), [
-    ("{tmp}/missing.json", "not found"),
-    (str(COCO_SUBSET / "annotations" / "captions_val2017.json"), "captions file"),
-    (str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"), "annotates none of the"),
-])
+@pytest.mark.parametrize(
+    ("instances", "match"),
+    [
+        ("{tmp}/missing.json", "not found"),
+        (str(COCO_SUBSET / "annotations" / "captions_val2017.json"), "captions file"),
+        (
+            str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"),
+            "annotates none of the",
+        ),
+    ],
+)
 def test_bad_instances_are_one_line_errors_before_captioning(tmp_path, capsys, instances, match):
     if "train2017" in instances and not COCO_TRAIN_MINI.is_dir():
         pytest.skip(f"COCO train2017 mini set not found at {COCO_TRAIN_MINI}")
     rc, captured = run_evaluate(
-        capsys, "--dataset", "coco", "--root", str(COCO_SUBSET), "--split", "val",
-        "--instances", instances.replace("{tmp}", str(tmp_path)),
-        "--output", str(tmp_path / "r.json"))
+        capsys,
+        "--dataset",
+        "coco",
+        "--root",
+        str(COCO_SUBSET),
+        "--split",
+        "val",
+        "--instances",
+        instances.replace("{tmp}", str(tmp_path)),
+        "--output",
+        str(tmp_path / "r.json"),
+    )
     one_line_error(rc, captured, match)
     assert not (tmp_path / "r.json").exists()
 
 
 def test_instances_with_flickr8k_is_a_usage_error(synthetic_flickr, tmp_path, capsys):
-    rc, captured = run_evaluate(capsys, "--dataset", "flickr8k", "--root", str(synthetic_flickr),
-                                "--split", "dev", "--instances", str(tmp_path / "i.json"))
+    rc, captured = run_evaluate(
+        capsys,
+        "--dataset",
+        "flickr8k",
+        "--root",
+        str(synthetic_flickr),
+        "--split",
+        "dev",
+        "--instances",
+        str(tmp_path / "i.json"),
+    )
     one_line_error(rc, captured, "--instances needs COCO photos")
 
 
@@ -358,8 +510,18 @@ def test_instances_with_a_karpathy_flickr_split_is_a_usage_error(tmp_path, capsy
     from PIL import Image
 
     Image.new("RGB", (32, 32)).save(tmp_path / "a.jpg")
-    (tmp_path / "dataset_flickr8k.json").write_text(json.dumps({"images": [
-        {"filename": "a.jpg", "split": "test", "sentences": [{"raw": "a dog"}]}]}))
-    rc, captured = run_evaluate(capsys, "--dataset", "karpathy", "--root", str(tmp_path),
-                                "--instances", str(write_instances(tmp_path / "i.json")))
+    (tmp_path / "dataset_flickr8k.json").write_text(
+        json.dumps(
+            {"images": [{"filename": "a.jpg", "split": "test", "sentences": [{"raw": "a dog"}]}]}
+        )
+    )
+    rc, captured = run_evaluate(
+        capsys,
+        "--dataset",
+        "karpathy",
+        "--root",
+        str(tmp_path),
+        "--instances",
+        str(write_instances(tmp_path / "i.json")),
+    )
     one_line_error(rc, captured, "have no COCO ids")

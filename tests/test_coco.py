@@ -28,15 +28,31 @@ pytestmark = [
         or not (VAL_SUBSET / "annotations" / "captions_val2017.json").is_file(),
         reason=f"real COCO 2017 photos not found at {TRAIN_MINI} and {VAL_SUBSET}",
     ),
-    pytest.mark.skipif(not metrics.java_available(),
-                       reason="Java is not installed (sat evaluate's official scorers need it)"),
+    pytest.mark.skipif(
+        not metrics.java_available(),
+        reason="Java is not installed (sat evaluate's official scorers need it)",
+    ),
 ]
 
 # Small enough for a loaded 2-core CPU: a 64-unit LSTM, one epoch of 13 steps of 32 captions.
-FAST = ["--trainer.max_epochs", "1", "--model.decoder.hidden_dim", "64",
-        "--model.decoder.embed_dim", "32", "--model.decoder.attention_dim", "32",
-        "--data.batch_size", "32", "--data.min_word_count", "1", "--data.num_workers", "0",
-        "--trainer.enable_progress_bar", "false"]
+FAST = [
+    "--trainer.max_epochs",
+    "1",
+    "--model.decoder.hidden_dim",
+    "64",
+    "--model.decoder.embed_dim",
+    "32",
+    "--model.decoder.attention_dim",
+    "32",
+    "--data.batch_size",
+    "32",
+    "--data.min_word_count",
+    "1",
+    "--data.num_workers",
+    "0",
+    "--trainer.enable_progress_bar",
+    "false",
+]
 
 
 def _photo_ids(folder: Path) -> list[int]:
@@ -75,8 +91,19 @@ def feature_cache(tmp_path_factory) -> Path:
 
 
 def _train(config: str, root: Path, run_dir: Path, cache: Path, *extra: str) -> None:
-    args = ["train", "--config", str(ROOT / "configs" / config), "--data.root", str(root),
-            "--run.dir", str(run_dir), "--data.feature_cache", str(cache), *FAST, *extra]
+    args = [
+        "train",
+        "--config",
+        str(ROOT / "configs" / config),
+        "--data.root",
+        str(root),
+        "--run.dir",
+        str(run_dir),
+        "--data.feature_cache",
+        str(cache),
+        *FAST,
+        *extra,
+    ]
     assert main(args) == 0
 
 
@@ -88,9 +115,25 @@ def _export(run_dir: Path, out: Path, *extra: str) -> Path:
 
 def _evaluate(model: Path, root: Path, split: str, out: Path, capsys) -> tuple[dict, list, str]:
     capsys.readouterr()
-    rc = main(["evaluate", "--dataset", "coco", "--root", str(root), "--split", split,
-               "--model", str(model), "--beam-size", "1", "--num-workers", "0",
-               "--output", str(out)])
+    rc = main(
+        [
+            "evaluate",
+            "--dataset",
+            "coco",
+            "--root",
+            str(root),
+            "--split",
+            split,
+            "--model",
+            str(model),
+            "--beam-size",
+            "1",
+            "--num-workers",
+            "0",
+            "--output",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err[-2000:]
     scores = json.loads(captured.out.strip().splitlines()[-1])
@@ -112,13 +155,20 @@ def _cached_ids(cache: Path) -> set[str]:
 def soft_run(coco_root, feature_cache, tmp_path_factory):
     """configs/coco_lite2_soft.yaml on the official train / val files, exported."""
     work = tmp_path_factory.mktemp("soft")
-    _train("coco_lite2_soft.yaml", coco_root, work / "run", feature_cache,
-           "--data.train_split", "train", "--data.val_split", "val")
+    _train(
+        "coco_lite2_soft.yaml",
+        coco_root,
+        work / "run",
+        feature_cache,
+        "--data.train_split",
+        "train",
+        "--data.val_split",
+        "val",
+    )
     return work, _export(work / "run", work / "soft.safetensors")
 
 
-def test_soft_config_on_the_official_2017_files(soft_run, coco_root, feature_cache, capsys,
-                                                caplog):
+def test_soft_config_on_the_official_2017_files(soft_run, coco_root, feature_cache, capsys, caplog):
     work, model = soft_run
     train_ids, val_ids = _photo_ids(TRAIN_MINI), _photo_ids(VAL_SUBSET)
     assert (len(train_ids), len(val_ids)) == (80, 40)
@@ -135,15 +185,25 @@ def test_soft_config_on_the_official_2017_files(soft_run, coco_root, feature_cac
     assert any("skipped 4960 of 5000" in r.getMessage() for r in caplog.records)
 
 
-def test_hard_config_starts_from_the_exported_soft_model(soft_run, coco_root, feature_cache,
-                                                         tmp_path, capsys, caplog):
+def test_hard_config_starts_from_the_exported_soft_model(
+    soft_run, coco_root, feature_cache, tmp_path, capsys, caplog
+):
     from showattendtell.inference import load_model
 
     _, soft = soft_run
     caplog.set_level(logging.INFO, logger="showattendtell")
-    _train("coco_lite2_hard.yaml", coco_root, tmp_path / "run", feature_cache,
-           "--data.train_split", "train", "--data.val_split", "val",
-           "--model.init_from", str(soft))
+    _train(
+        "coco_lite2_hard.yaml",
+        coco_root,
+        tmp_path / "run",
+        feature_cache,
+        "--data.train_split",
+        "train",
+        "--data.val_split",
+        "val",
+        "--model.init_from",
+        str(soft),
+    )
     assert not any("extracting" in r.getMessage() for r in caplog.records)  # the soft run's cache
     ckpt = torch_load(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert ckpt["hyper_parameters"]["init_from"] == str(soft)
@@ -163,8 +223,10 @@ def _karpathy_file(path: Path) -> dict[str, list[int]]:
     as <id>.jpg in the 2017 folders."""
     splits: dict[str, list[int]] = {}
     images = []
-    for folder, year_split, names in ((TRAIN_MINI, "train", ("train", "restval")),
-                                      (VAL_SUBSET, "val", ("val", "test"))):
+    for folder, year_split, names in (
+        (TRAIN_MINI, "train", ("train", "restval")),
+        (VAL_SUBSET, "val", ("val", "test")),
+    ):
         coco = json.loads((folder / "annotations" / f"captions_{year_split}2017.json").read_text())
         ids = _photo_ids(folder)
         present = set(ids)
@@ -177,20 +239,33 @@ def _karpathy_file(path: Path) -> dict[str, list[int]]:
             split = names[0] if k < half else names[1]
             splits.setdefault(split, []).append(cocoid)
             imgid = len(images)
-            sentences = [{"tokens": re.findall(r"[a-z0-9]+", a["caption"].lower()),
-                          "raw": a["caption"], "imgid": imgid, "sentid": a["id"]}
-                         for a in sorted(captions[cocoid], key=lambda a: a["id"])]
-            images.append({"filepath": f"{year_split}2014",
-                           "sentids": [s["sentid"] for s in sentences],
-                           "filename": f"COCO_{year_split}2014_{cocoid:012d}.jpg",
-                           "imgid": imgid, "split": split, "sentences": sentences,
-                           "cocoid": cocoid})
+            sentences = [
+                {
+                    "tokens": re.findall(r"[a-z0-9]+", a["caption"].lower()),
+                    "raw": a["caption"],
+                    "imgid": imgid,
+                    "sentid": a["id"],
+                }
+                for a in sorted(captions[cocoid], key=lambda a: a["id"])
+            ]
+            images.append(
+                {
+                    "filepath": f"{year_split}2014",
+                    "sentids": [s["sentid"] for s in sentences],
+                    "filename": f"COCO_{year_split}2014_{cocoid:012d}.jpg",
+                    "imgid": imgid,
+                    "split": split,
+                    "sentences": sentences,
+                    "cocoid": cocoid,
+                }
+            )
     path.write_text(json.dumps({"images": images, "dataset": "coco"}))
     return splits
 
 
-def test_karpathy_split_file_with_the_default_splits(coco_root, feature_cache, tmp_path, capsys,
-                                                     caplog):
+def test_karpathy_split_file_with_the_default_splits(
+    coco_root, feature_cache, tmp_path, capsys, caplog
+):
     from showattendtell.data.datasets import load_split
 
     root = tmp_path / "coco"  # dataset_coco.json and the image folders
@@ -206,8 +281,10 @@ def test_karpathy_split_file_with_the_default_splits(coco_root, feature_cache, t
     assert counts == {"train": 60, "restval": 20, "train+restval": 80, "val": 20, "test": 20}
     test = load_split("coco", root, "test").images
     assert [im.coco_id for im in test] == splits["test"]
-    assert all(im.path.resolve() == (VAL_SUBSET / "images" / f"{im.coco_id:012d}.jpg").resolve()
-               for im in test)
+    assert all(
+        im.path.resolve() == (VAL_SUBSET / "images" / f"{im.coco_id:012d}.jpg").resolve()
+        for im in test
+    )
     assert len(test[0].captions) >= 5 and test[0].image_id == str(test[0].coco_id)
 
     caplog.set_level(logging.INFO, logger="showattendtell")

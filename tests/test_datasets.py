@@ -25,8 +25,9 @@ def test_coco_val_subset_gives_the_40_present_images_and_counts_the_rest(caplog)
     assert {im.path.name for im in split.images} == files
     assert len(split.images) == 40 and split.num_captions == 200
     assert all(len(im.captions) == 5 for im in split.images)
-    assert all(im.image_id == str(im.coco_id) and int(im.path.stem) == im.coco_id
-               for im in split.images)
+    assert all(
+        im.image_id == str(im.coco_id) and int(im.path.stem) == im.coco_id for im in split.images
+    )
     assert len(split.missing) == 4960 and split.num_annotated == 5000
     assert split.missing_captions == 25014 - 200
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -50,7 +51,8 @@ def test_flickr8k_official_split_sizes():
     train = load_split("flickr8k", FLICKR8K, "train")
     assert len(train.images) == 6000 and train.num_captions == 30000
     assert not {im.image_id for im in train.images} & {
-        im.image_id for im in load_split("flickr8k", FLICKR8K, "dev").images}
+        im.image_id for im in load_split("flickr8k", FLICKR8K, "dev").images
+    }
 
 
 @needs_flickr8k
@@ -78,12 +80,16 @@ def test_flickr8k_missing_files_are_skipped_with_one_warning(synthetic_flickr, t
 def _karpathy_json(synthetic_flickr, root, name="dataset_flickr8k.json"):
     train = (synthetic_flickr / "Flickr_8k.trainImages.txt").read_text().split()
     dev = (synthetic_flickr / "Flickr_8k.devImages.txt").read_text().split()
-    images = [{"filename": n, "split": "train" if n in train else "val",
-               "sentences": [{"raw": f"caption {k} of {n}", "tokens": []} for k in range(5)]}
-              for n in train + dev]
+    images = [
+        {
+            "filename": n,
+            "split": "train" if n in train else "val",
+            "sentences": [{"raw": f"caption {k} of {n}", "tokens": []} for k in range(5)],
+        }
+        for n in train + dev
+    ]
     images[0]["split"] = "test"
-    images.append({"filename": "absent.jpg", "split": "test",
-                   "sentences": [{"raw": "gone"}]})
+    images.append({"filename": "absent.jpg", "split": "test", "sentences": [{"raw": "gone"}]})
     root.mkdir(parents=True, exist_ok=True)
     (root / name).write_text(json.dumps({"dataset": "flickr8k", "images": images}))
 
@@ -118,23 +124,35 @@ def test_karpathy_coco_split_finds_the_2017_files_of_its_2014_names(tmp_path):
         (tmp_path / folder).mkdir(exist_ok=True)
         name = f"COCO_val2014_{cocoid:012d}.jpg" if folder == "val2014" else f"{cocoid:012d}.jpg"
         (tmp_path / folder / name).write_bytes(b"")
-    images = [{"filepath": "val2014", "filename": f"COCO_val2014_{i:012d}.jpg", "cocoid": i,
-               "split": "test", "sentences": [{"raw": "a photo", "tokens": ["a", "photo"]}]}
-              for i in (9, 139, 42, 7)]
+    images = [
+        {
+            "filepath": "val2014",
+            "filename": f"COCO_val2014_{i:012d}.jpg",
+            "cocoid": i,
+            "split": "test",
+            "sentences": [{"raw": "a photo", "tokens": ["a", "photo"]}],
+        }
+        for i in (9, 139, 42, 7)
+    ]
     (tmp_path / "dataset_coco.json").write_text(json.dumps({"dataset": "coco", "images": images}))
     test = load_split("coco", tmp_path, "test")
     assert [str(im.path.relative_to(tmp_path)) for im in test.images] == [
-        "train2017/000000000009.jpg", "val2017/000000000139.jpg",
-        "val2014/COCO_val2014_000000000042.jpg"]
+        "train2017/000000000009.jpg",
+        "val2017/000000000139.jpg",
+        "val2014/COCO_val2014_000000000042.jpg",
+    ]
     assert [im.coco_id for im in test.images] == [9, 139, 42] and len(test.missing) == 1
 
 
-@pytest.mark.parametrize(("dataset", "split", "match"), [
-    ("flickr30k", "train", "unknown dataset"),
-    ("flickr8k", "validation", "splits"),
-    ("karpathy", "train", "no dataset_"),
-    ("coco", "val", "sat data coco"),
-])
+@pytest.mark.parametrize(
+    ("dataset", "split", "match"),
+    [
+        ("flickr30k", "train", "unknown dataset"),
+        ("flickr8k", "validation", "splits"),
+        ("karpathy", "train", "no dataset_"),
+        ("coco", "val", "sat data coco"),
+    ],
+)
 def test_bad_requests_are_one_line_errors(tmp_path, dataset, split, match):
     with pytest.raises(DatasetError, match=match) as e:
         load_split(dataset, tmp_path, split)

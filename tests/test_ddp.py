@@ -39,20 +39,30 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 
 
-def sat_train(args: list[str], cwd: Path, launcher: list[str] | None = None,
-              timeout: int = 300) -> subprocess.CompletedProcess:
+def sat_train(
+    args: list[str], cwd: Path, launcher: list[str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     launcher = launcher or [sys.executable, "-m"]
     cmd = [*launcher, "showattendtell.cli", "train", *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stderr[-12000:]}"
     return proc
 
 
 def tiny(flickr: Path, run_dir: str, *more: str) -> list[str]:
-    return ["--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root", str(flickr),
-            "--data.feature_cache", "cache", "--data.val_batch_size", "2",
-            "--run.dir", run_dir, *more]
+    return [
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--data.root",
+        str(flickr),
+        "--data.feature_cache",
+        "cache",
+        "--data.val_batch_size",
+        "2",
+        "--run.dir",
+        run_dir,
+        *more,
+    ]
 
 
 def metrics(run_dir: Path) -> list[dict[str, str]]:
@@ -69,8 +79,9 @@ def ckpt_state(path: Path) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def flickr(tmp_path_factory) -> Path:
-    return write_flickr8k_folder(tmp_path_factory.mktemp("flickr_ddp") / "data",
-                                 n_train=N_TRAIN, n_dev=N_DEV)
+    return write_flickr8k_folder(
+        tmp_path_factory.mktemp("flickr_ddp") / "data", n_train=N_TRAIN, n_dev=N_DEV
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +89,12 @@ def ddp_run(flickr, tmp_path_factory):
     """One epoch on 2 processes, starting with no feature cache."""
     work = tmp_path_factory.mktemp("ddp")
     proc = sat_train(tiny(flickr, "runs/ddp", *DDP, "--trainer.max_epochs", "1"), work)
-    return SimpleNamespace(work=work, run=work / "runs" / "ddp", proc=proc,
-                           last=work / "runs" / "ddp" / "checkpoints" / "last.ckpt")
+    return SimpleNamespace(
+        work=work,
+        run=work / "runs" / "ddp",
+        proc=proc,
+        last=work / "runs" / "ddp" / "checkpoints" / "last.ckpt",
+    )
 
 
 def test_ddp_fills_the_feature_cache_once(ddp_run, flickr):
@@ -145,13 +160,19 @@ def test_validation_scores_each_image_once_on_every_rank_as_one_process(ddp_run,
     work = ddp_run.work
     (work / "validate.py").write_text(VALIDATE)
     for devices in (["--trainer.devices", "2", "--trainer.strategy", "ddp"], []):
-        cmd = [sys.executable, "validate.py", str(ddp_run.last),
-               *tiny(flickr, "runs/validate", *devices)]
-        proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True,
-                              timeout=300)
+        cmd = [
+            sys.executable,
+            "validate.py",
+            str(ddp_run.last),
+            *tiny(flickr, "runs/validate", *devices),
+        ]
+        proc = subprocess.run(
+            cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-12000:]
-    rank0, rank1, single = (json.loads((work / f"val-{n}.json").read_text())
-                            for n in ("2-0", "2-1", "1-0"))
+    rank0, rank1, single = (
+        json.loads((work / f"val-{n}.json").read_text()) for n in ("2-0", "2-1", "1-0")
+    )
     assert rank0["seen"] + rank1["seen"] == N_DEV + 1 and single["seen"] == N_DEV
     keys = ("val/images", "val/bleu1", "val/bleu4", "val/rouge_l", "val/cider")
     for m in (rank0, rank1):
@@ -168,12 +189,24 @@ def test_checkpoints_resume_across_process_counts(ddp_run, flickr):
     work = ddp_run.work
     shutil.copy(ddp_run.last, work / "ddp-epoch0.ckpt")
     last = work / "runs" / "resumed" / "checkpoints" / "last.ckpt"
-    sat_train(tiny(flickr, "runs/resumed", "--trainer.max_epochs", "2",
-                   "--ckpt_path", "ddp-epoch0.ckpt"), work)
+    sat_train(
+        tiny(flickr, "runs/resumed", "--trainer.max_epochs", "2", "--ckpt_path", "ddp-epoch0.ckpt"),
+        work,
+    )
     assert ckpt_state(last) == (1, STEPS_2 + STEPS_1)
     shutil.copy(last, work / "one-epoch1.ckpt")
-    sat_train(tiny(flickr, "runs/resumed", *DDP, "--trainer.max_epochs", "3",
-                   "--ckpt_path", "one-epoch1.ckpt"), work)
+    sat_train(
+        tiny(
+            flickr,
+            "runs/resumed",
+            *DDP,
+            "--trainer.max_epochs",
+            "3",
+            "--ckpt_path",
+            "one-epoch1.ckpt",
+        ),
+        work,
+    )
     assert ckpt_state(last) == (2, STEPS_2 + STEPS_1 + STEPS_2)
 
 
@@ -187,26 +220,62 @@ def test_hard_attention_under_torchrun(ddp_run, flickr):
     """Hard attention (REINFORCE) on 2 processes started by torchrun, as the several-nodes
     command of docs/training.md does (here one node): Lightning takes rank and world size from
     torchrun's environment and starts no process of its own."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m"]
-    proc = sat_train(tiny(flickr, "runs/hard", *DDP, "--trainer.num_nodes", "1",
-                          "--trainer.max_epochs", "1", "--model.decoder.attention", "hard"),
-                     ddp_run.work, launcher=torchrun)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "-m",
+    ]
+    proc = sat_train(
+        tiny(
+            flickr,
+            "runs/hard",
+            *DDP,
+            "--trainer.num_nodes",
+            "1",
+            "--trainer.max_epochs",
+            "1",
+            "--model.decoder.attention",
+            "hard",
+        ),
+        ddp_run.work,
+        launcher=torchrun,
+    )
     assert "MEMBER: 2/2" in proc.stderr
     _finite_train_nll(ddp_run.work / "runs" / "hard")
-    assert ckpt_state(ddp_run.work / "runs" / "hard" / "checkpoints" / "last.ckpt") == (
-        0, STEPS_2)
+    assert ckpt_state(ddp_run.work / "runs" / "hard" / "checkpoints" / "last.ckpt") == (0, STEPS_2)
     assert not [w for w in WARNINGS if w in proc.stdout + proc.stderr]
 
 
 def test_self_critical_under_ddp(ddp_run, flickr):
-    sat_train(tiny(flickr, "runs/sc", *DDP, "--trainer.max_epochs", "1",
-                   "--model.objective.self_critical", "2", "--model.init_from", str(ddp_run.last)),
-              ddp_run.work)
+    sat_train(
+        tiny(
+            flickr,
+            "runs/sc",
+            *DDP,
+            "--trainer.max_epochs",
+            "1",
+            "--model.objective.self_critical",
+            "2",
+            "--model.init_from",
+            str(ddp_run.last),
+        ),
+        ddp_run.work,
+    )
     _finite_train_nll(ddp_run.work / "runs" / "sc")
-    rewards = [float(r["train/reward"]) for r in metrics(ddp_run.work / "runs" / "sc")
-               if r.get("train/reward")]
+    rewards = [
+        float(r["train/reward"])
+        for r in metrics(ddp_run.work / "runs" / "sc")
+        if r.get("train/reward")
+    ]
     assert rewards and all(math.isfinite(r) for r in rewards)
 
 
@@ -217,8 +286,7 @@ def _baseline_worker(rank: int, world: int, init_file: str, out: str) -> None:
     from showattendtell.objectives import HardAttentionConfig, HardAttentionReinforce
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = SimpleNamespace(decoder=small_decoder(attention="hard", seed=1))
     # first step: rank 0 samples locations, rank 1 takes the expected context
     objective = HardAttentionReinforce(HardAttentionConfig(expectation_prob=float(rank == 1)))
@@ -229,9 +297,15 @@ def _baseline_worker(rank: int, world: int, init_file: str, out: str) -> None:
     b1 = float(objective.baseline)
     objective.config.expectation_prob = 0.0  # second step: both sample
     _, logs2 = objective(model, a, batch)
-    torch.save({"b1": b1, "b2": float(objective.baseline),
-                "nll1": float(logs1["caption_nll"]), "nll2": float(logs2["caption_nll"])},
-               f"{out}/{rank}.pt")
+    torch.save(
+        {
+            "b1": b1,
+            "b2": float(objective.baseline),
+            "nll1": float(logs1["caption_nll"]),
+            "nll2": float(logs2["caption_nll"]),
+        },
+        f"{out}/{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -245,6 +319,7 @@ def test_reinforce_baseline_is_the_same_on_every_process(tmp_path):
     mp.spawn(_baseline_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     assert r0["b1"] == r1["b1"] == pytest.approx(0.1 * -r0["nll1"])  # rank 0's batch only
-    assert r0["b2"] == r1["b2"] == pytest.approx(
-        0.9 * r0["b1"] + 0.1 * -(r0["nll2"] + r1["nll2"]) / 2)  # equal batch sizes
+    assert (
+        r0["b2"] == r1["b2"] == pytest.approx(0.9 * r0["b1"] + 0.1 * -(r0["nll2"] + r1["nll2"]) / 2)
+    )  # equal batch sizes
     assert r0["b2"] != r0["b1"]

@@ -5,10 +5,16 @@ from conftest import RESNET50_CAFFE, needs_resnet50
 from showattendtell.encoder import Encoder, EncoderConfig
 
 
-@pytest.mark.parametrize("backbone,size,grid,dim", [
-    ("resnet50", 64, 2, 2048), ("resnet101", 64, 2, 2048), ("resnet152", 64, 2, 2048),
-    ("vgg16", 64, 4, 512), ("vgg19", 64, 4, 512),
-])
+@pytest.mark.parametrize(
+    "backbone,size,grid,dim",
+    [
+        ("resnet50", 64, 2, 2048),
+        ("resnet101", 64, 2, 2048),
+        ("resnet152", 64, 2, 2048),
+        ("vgg16", 64, 4, 512),
+        ("vgg19", 64, 4, 512),
+    ],
+)
 def test_backbones_give_annotation_grids(backbone, size, grid, dim):
     cfg = EncoderConfig(backbone=backbone, weights=None, input_size=size)
     assert (cfg.grid, cfg.feature_dim) == (grid, dim)
@@ -26,8 +32,9 @@ def test_adaptive_pooling_sets_the_grid():
 def test_frozen_by_default_and_fine_tuning_last_stages():
     enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, input_size=64))
     assert not enc.trainable
-    enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, input_size=64,
-                                fine_tune_stages=1))
+    enc = Encoder(
+        EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=1)
+    )
     assert all(p.requires_grad for p in enc.stages[-1].parameters())
     assert not any(p.requires_grad for p in enc.stages[-2].parameters())
     enc.train()
@@ -37,8 +44,9 @@ def test_frozen_by_default_and_fine_tuning_last_stages():
 def test_the_frozen_stages_and_the_top_compose_to_the_whole():
     """A fine-tuned encoder's cache keeps the frozen stages' output; the top finishes it."""
     torch.manual_seed(0)
-    enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, input_size=64,
-                                fine_tune_stages=2))
+    enc = Encoder(
+        EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=2)
+    )
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         below = enc.cached_features(x)
@@ -59,9 +67,12 @@ def test_caffe_style_moves_the_strides():
 def test_fingerprint_changes_with_what_changes_the_features():
     base = EncoderConfig(weights=None)
     assert base.fingerprint() == EncoderConfig(weights=None, fine_tune_stages=2).fingerprint()
-    for other in (EncoderConfig(weights=None, input_size=448),
-                  EncoderConfig(backbone="resnet101", weights=None),
-                  EncoderConfig(weights=None, caffe_style=True), EncoderConfig()):
+    for other in (
+        EncoderConfig(weights=None, input_size=448),
+        EncoderConfig(backbone="resnet101", weights=None),
+        EncoderConfig(weights=None, caffe_style=True),
+        EncoderConfig(),
+    ):
         assert other.fingerprint() != base.fingerprint()
 
 
@@ -100,8 +111,11 @@ def test_a_cpu_batch_goes_through_the_cnn_in_slices_with_the_same_result(fine_tu
     """On a CPU a batch runs a few images at a time (it is faster: the activations stay in the
     caches), with the same grids as the whole batch at once."""
     torch.manual_seed(0)
-    enc = Encoder(EncoderConfig(backbone="resnet50", weights=None, input_size=64,
-                                fine_tune_stages=fine_tune_stages))
+    enc = Encoder(
+        EncoderConfig(
+            backbone="resnet50", weights=None, input_size=64, fine_tune_stages=fine_tune_stages
+        )
+    )
     x = torch.randn(7, 3, 64, 64)
     sizes = []
     enc.stages[0].register_forward_pre_hook(lambda m, args: sizes.append(len(args[0])))

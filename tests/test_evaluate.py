@@ -29,10 +29,20 @@ def model_file(tmp_path_factory):
     from showattendtell.vocab import Vocabulary
 
     torch.manual_seed(0)
-    vocab = Vocabulary.build(["a man riding a wave", "two dogs on the grass", "a plate of food",
-                              "a red bus on the road"], min_count=1)
-    model = CaptionModel(vocab, EncoderConfig(backbone="resnet50", weights=None, input_size=64),
-                         DecoderConfig("soft", 16, 32, 16, 0.0))
+    vocab = Vocabulary.build(
+        [
+            "a man riding a wave",
+            "two dogs on the grass",
+            "a plate of food",
+            "a red bus on the road",
+        ],
+        min_count=1,
+    )
+    model = CaptionModel(
+        vocab,
+        EncoderConfig(backbone="resnet50", weights=None, input_size=64),
+        DecoderConfig("soft", 16, 32, 16, 0.0),
+    )
     path = tmp_path_factory.mktemp("eval_model") / "untrained.safetensors"
     return save_model(model.eval(), path, DecodingConfig(beam_size=2, max_length=6))
 
@@ -41,9 +51,29 @@ def model_file(tmp_path_factory):
 @needs_coco_subset
 def test_evaluate_coco_subset(model_file, tmp_path, capsys, caplog):
     out = tmp_path / "res" / "results.json"
-    rc = main(["evaluate", "--model", str(model_file), "--dataset", "coco",
-               "--root", str(COCO_SUBSET), "--split", "val", "--limit", "6", "--batch-size", "4",
-               "--num-workers", "1", "--beam-size", "2", "--output", str(out)])
+    rc = main(
+        [
+            "evaluate",
+            "--model",
+            str(model_file),
+            "--dataset",
+            "coco",
+            "--root",
+            str(COCO_SUBSET),
+            "--split",
+            "val",
+            "--limit",
+            "6",
+            "--batch-size",
+            "4",
+            "--num-workers",
+            "1",
+            "--beam-size",
+            "2",
+            "--output",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     scores = json.loads(captured.out.strip().splitlines()[-1])
@@ -51,8 +81,10 @@ def test_evaluate_coco_subset(model_file, tmp_path, capsys, caplog):
     repetition = {k: scores.pop(k) for k in REPETITION}
     assert all(0.0 <= v <= 10.0 for v in scores.values())
     results = json.loads(out.read_text())
-    assert repetition == {k: round(v, 4) for k, v in metrics.repetition(
-        {r["image_id"]: r["caption"] for r in results}).items()}
+    assert repetition == {
+        k: round(v, 4)
+        for k, v in metrics.repetition({r["image_id"]: r["caption"] for r in results}).items()
+    }
     assert len(results) == 6
     assert all(isinstance(r["image_id"], int) and isinstance(r["caption"], str) for r in results)
     present = sorted(int(p.stem) for p in (COCO_SUBSET / "images").glob("*.jpg"))[:6]
@@ -65,9 +97,11 @@ def test_evaluate_coco_subset(model_file, tmp_path, capsys, caplog):
     from showattendtell.data.datasets import load_split
 
     refs = {im.coco_id: im.captions for im in load_split("coco", COCO_SUBSET, "val").images}
-    again = metrics.score_captions({r["image_id"]: r["caption"] for r in results},
-                                   {r["image_id"]: refs[r["image_id"]] for r in results},
-                                   spice=False)
+    again = metrics.score_captions(
+        {r["image_id"]: r["caption"] for r in results},
+        {r["image_id"]: refs[r["image_id"]] for r in results},
+        spice=False,
+    )
     assert {k: round(v, 6) for k, v in again.items()} == scores
 
 
@@ -77,8 +111,23 @@ def test_evaluate_flickr_skips_an_undecodable_image(model_file, tmp_path, capsys
     bad = sorted((root / "images").glob("*.jpg"))[-1]
     bad.write_bytes(b"GIF89a broken")
     out = tmp_path / "flickr.json"
-    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k",
-               "--root", str(root), "--split", "dev", "--num-workers", "0", "--output", str(out)])
+    rc = main(
+        [
+            "evaluate",
+            "--model",
+            str(model_file),
+            "--dataset",
+            "flickr8k",
+            "--root",
+            str(root),
+            "--split",
+            "dev",
+            "--num-workers",
+            "0",
+            "--output",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert list(json.loads(captured.out.strip().splitlines()[-1])) == KEYS + REPETITION
@@ -91,29 +140,55 @@ def test_evaluate_flickr_skips_an_undecodable_image(model_file, tmp_path, capsys
 
 @needs_flickr8k
 def test_withheld_test_images_fail_clearly(model_file, capsys):
-    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k",
-               "--root", str(FLICKR8K), "--split", "test"])
+    rc = main(
+        [
+            "evaluate",
+            "--model",
+            str(model_file),
+            "--dataset",
+            "flickr8k",
+            "--root",
+            str(FLICKR8K),
+            "--split",
+            "test",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1
     line = err.strip().splitlines()[-1]
     assert line.startswith("error:") and str(FLICKR8K / "images") in line and "1000" in line
 
 
-def test_without_java_it_says_so_before_captioning(model_file, synthetic_flickr,
-                                                    monkeypatch, capsys):
+def test_without_java_it_says_so_before_captioning(
+    model_file, synthetic_flickr, monkeypatch, capsys
+):
     monkeypatch.setattr(metrics.shutil, "which", lambda name: None)
-    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k",
-               "--root", str(synthetic_flickr), "--split", "dev"])
+    rc = main(
+        [
+            "evaluate",
+            "--model",
+            str(model_file),
+            "--dataset",
+            "flickr8k",
+            "--root",
+            str(synthetic_flickr),
+            "--split",
+            "dev",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 1 and captured.out == ""
     assert "need Java" in captured.err and "Traceback" not in captured.err
 
 
-@pytest.mark.parametrize(("args", "match"), [
-    (["--dataset", "coco", "--root", "/nonexistent/coco"], "does not exist"),
-    (["--dataset", "flickr8k", "--root", "{synthetic}", "--split", "validation"], "splits"),
-    (["--dataset", "flickr8k", "--root", "{synthetic}", "--batch-size", "0"], "positive"),
-])
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--dataset", "coco", "--root", "/nonexistent/coco"], "does not exist"),
+        (["--dataset", "flickr8k", "--root", "{synthetic}", "--split", "validation"], "splits"),
+        (["--dataset", "flickr8k", "--root", "{synthetic}", "--batch-size", "0"], "positive"),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(synthetic_flickr, capsys, args, match):
     args = [a.replace("{synthetic}", str(synthetic_flickr)) for a in args]
     rc = main(["evaluate", *args])
@@ -122,9 +197,9 @@ def test_bad_arguments_are_one_line_errors(synthetic_flickr, capsys, args, match
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "proc"])
-def test_an_unwritable_output_is_refused_before_any_photo_is_read(where, model_file,
-                                                                 synthetic_flickr, tmp_path,
-                                                                 monkeypatch, capsys):
+def test_an_unwritable_output_is_refused_before_any_photo_is_read(
+    where, model_file, synthetic_flickr, tmp_path, monkeypatch, capsys
+):
     """Root may write anywhere chmod allows, so the tests use places no one can write: a path
     whose folder would have to be a file, and /proc."""
     from showattendtell.commands import evaluate
@@ -134,10 +209,26 @@ def test_an_unwritable_output_is_refused_before_any_photo_is_read(where, model_f
 
     monkeypatch.setattr(evaluate, "caption_split", never)
     (tmp_path / "notes").write_text("a file, not a folder\n")
-    out = tmp_path / "notes" / "sub" / "r.json" if where == "under_a_file" else Path(
-        "/proc/sat-results.json")
-    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k",
-               "--root", str(synthetic_flickr), "--split", "dev", "--output", str(out)])
+    out = (
+        tmp_path / "notes" / "sub" / "r.json"
+        if where == "under_a_file"
+        else Path("/proc/sat-results.json")
+    )
+    rc = main(
+        [
+            "evaluate",
+            "--model",
+            str(model_file),
+            "--dataset",
+            "flickr8k",
+            "--root",
+            str(synthetic_flickr),
+            "--split",
+            "dev",
+            "--output",
+            str(out),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "\n" not in err, err
     assert "--output" in err and str(out.parent) in err
@@ -148,8 +239,21 @@ def test_an_existing_output_is_kept_unless_overwrite(model_file, tmp_path, capsy
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=2)
     out = tmp_path / "results.json"
     out.write_text("my notes\n")
-    args = ["evaluate", "--model", str(model_file), "--dataset", "flickr8k", "--root", str(root),
-            "--split", "dev", "--num-workers", "0", "--output", str(out)]
+    args = [
+        "evaluate",
+        "--model",
+        str(model_file),
+        "--dataset",
+        "flickr8k",
+        "--root",
+        str(root),
+        "--split",
+        "dev",
+        "--num-workers",
+        "0",
+        "--output",
+        str(out),
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "already exists" in err and "--overwrite" in err and "\n" not in err
@@ -159,8 +263,9 @@ def test_an_existing_output_is_kept_unless_overwrite(model_file, tmp_path, capsy
 
 
 @needs_java
-def test_scores_are_printed_when_the_results_cannot_be_written(model_file, tmp_path,
-                                                               monkeypatch, capsys):
+def test_scores_are_printed_when_the_results_cannot_be_written(
+    model_file, tmp_path, monkeypatch, capsys
+):
     """The folder was writable at the start but the disk is full at the end: the scores of
     the whole split still reach standard output, one line says what was not written and
     where the captions were kept instead."""
@@ -179,8 +284,23 @@ def test_scores_are_printed_when_the_results_cannot_be_written(model_file, tmp_p
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=2)
     out = tmp_path / "results.json"
-    rc = main(["evaluate", "--model", str(model_file), "--dataset", "flickr8k", "--root",
-               str(root), "--split", "dev", "--num-workers", "0", "--output", str(out)])
+    rc = main(
+        [
+            "evaluate",
+            "--model",
+            str(model_file),
+            "--dataset",
+            "flickr8k",
+            "--root",
+            str(root),
+            "--split",
+            "dev",
+            "--num-workers",
+            "0",
+            "--output",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 1
     assert list(json.loads(captured.out.strip().splitlines()[-1])) == KEYS + REPETITION

@@ -61,8 +61,7 @@ def test_extract_and_read_back(tmp_path, encoder, images, expected):
     assert cache.dir == cache_dir_for(tmp_path, CONFIG) and "2x2" in cache.dir.name
     assert _extract(cache, images, encoder, shard_size=3) == N
     shards = sorted(cache.dir.glob("shard-*.npy"))
-    assert [np.load(s, mmap_mode="r").shape for s in shards] == [(3, 4, 2048)] * 2 + [
-        (2, 4, 2048)]
+    assert [np.load(s, mmap_mode="r").shape for s in shards] == [(3, 4, 2048)] * 2 + [(2, 4, 2048)]
     assert np.load(shards[0], mmap_mode="r").dtype == np.float16
     assert not list(cache.dir.glob("*.tmp"))
 
@@ -109,9 +108,11 @@ def test_resume_after_interruption(tmp_path, encoder, images, expected):
 def test_another_encoder_config_never_reads_these_features(tmp_path, encoder, images):
     cache = FeatureCache.for_config(tmp_path, CONFIG)
     _extract(cache, images[:2], encoder)
-    for other in (EncoderConfig(backbone="resnet50", weights=None, input_size=96),
-                  EncoderConfig(backbone="resnet101", weights=None, input_size=64),
-                  EncoderConfig(backbone="resnet50", weights=None, input_size=64, grid_size=1)):
+    for other in (
+        EncoderConfig(backbone="resnet50", weights=None, input_size=96),
+        EncoderConfig(backbone="resnet101", weights=None, input_size=64),
+        EncoderConfig(backbone="resnet50", weights=None, input_size=64, grid_size=1),
+    ):
         assert len(FeatureCache.for_config(tmp_path, other)) == 0
     # a fine-tuned encoder caches what its frozen stages compute, in a folder of its own
     tuned = EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=1)
@@ -158,16 +159,23 @@ def test_datamodule_trains_from_the_cache_and_skips_bad_images(tmp_path, caplog)
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=6, n_dev=3)
     bad = sorted((root / "images").glob("*.jpg"))[0]
     bad.write_bytes(b"not a jpeg")
-    dm = CaptionDataModule(dataset="flickr8k", root=str(root), feature_cache=str(tmp_path / "c"),
-                           encoder=CONFIG, min_word_count=1, batch_size=16, num_workers=0,
-                           val_images=2, extract_batch_size=8)
+    dm = CaptionDataModule(
+        dataset="flickr8k",
+        root=str(root),
+        feature_cache=str(tmp_path / "c"),
+        encoder=CONFIG,
+        min_word_count=1,
+        batch_size=16,
+        num_workers=0,
+        val_images=2,
+        extract_batch_size=8,
+    )
     with caplog.at_level(logging.INFO):
         dm.prepare_data()
         dm.setup("fit")
     cache = FeatureCache.for_config(tmp_path / "c", CONFIG)
     assert len(cache) == 5 + 2 and list(cache.failed) == [bad.name]
-    assert any("1 of 6 images have no cached features" in r.getMessage()
-               for r in caplog.records)
+    assert any("1 of 6 images have no cached features" in r.getMessage() for r in caplog.records)
     batches = list(dm.train_dataloader())
     assert sum(b["inputs"].shape[0] for b in batches) == 5 * 5  # the bad image's 5 captions gone
     assert batches[0]["inputs"].shape[1:] == (4, 2048)
@@ -198,12 +206,27 @@ def test_sat_features_on_two_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     caches = {}
     for devices in ("1", "2"):
-        cmd = [sys.executable, "-m", "showattendtell.cli", "features", "--config",
-               str(ROOT / "configs" / "tiny.yaml"), "--data.root", str(root),
-               "--data.feature_cache", f"cache{devices}", "--data.extract_batch_size", "2",
-               "--trainer.devices", devices, "--trainer.accelerator", "cpu"]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
+        cmd = [
+            sys.executable,
+            "-m",
+            "showattendtell.cli",
+            "features",
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            "--data.root",
+            str(root),
+            "--data.feature_cache",
+            f"cache{devices}",
+            "--data.extract_batch_size",
+            "2",
+            "--trainer.devices",
+            devices,
+            "--trainer.accelerator",
+            "cpu",
+        ]
+        proc = subprocess.run(
+            cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         (folder,) = (tmp_path / f"cache{devices}").iterdir()
         caches[devices] = FeatureCache(folder)
@@ -226,23 +249,42 @@ def test_fine_tuning_the_top_trains_from_the_frozen_stages_cache(tmp_path):
 
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=6, n_dev=3)
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=1)
-    dm = CaptionDataModule(dataset="flickr8k", root=str(root), feature_cache=str(tmp_path / "c"),
-                           encoder=enc, min_word_count=1, batch_size=8, num_workers=0,
-                           val_images=3, extract_batch_size=4)
+    dm = CaptionDataModule(
+        dataset="flickr8k",
+        root=str(root),
+        feature_cache=str(tmp_path / "c"),
+        encoder=enc,
+        min_word_count=1,
+        batch_size=8,
+        num_workers=0,
+        val_images=3,
+        extract_batch_size=4,
+    )
     dm.prepare_data()
     cache = FeatureCache.for_config(tmp_path / "c", enc)
     assert cache.dir.name.startswith("resnet50-64px-below-top1-")
     assert len(cache) == 6 + 3 and cache[next(iter(cache.index))].shape == (1024, 4, 4)
     torch.manual_seed(0)
-    module = CaptionModule(dm.vocab_words, encoder=enc,
-                           decoder={"embed_dim": 8, "hidden_dim": 16, "attention_dim": 8})
+    module = CaptionModule(
+        dm.vocab_words, encoder=enc, decoder={"embed_dim": 8, "hidden_dim": 16, "attention_dim": 8}
+    )
     before = {k: v.clone() for k, v in module.model.encoder.state_dict().items()}
-    L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=1,
-              enable_model_summary=False).fit(module, datamodule=dm)
+    L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        enable_model_summary=False,
+    ).fit(module, datamodule=dm)
     after = module.model.encoder.state_dict()
-    changed = {k.split(".")[1] for k, v in after.items()
-               if v.is_floating_point() and not torch.equal(v, before[k])}
+    changed = {
+        k.split(".")[1]
+        for k, v in after.items()
+        if v.is_floating_point() and not torch.equal(v, before[k])
+    }
     assert changed == {"4"}  # stages.4 (layer4), the one fine-tuned stage
 
     # a later stage (e.g. self-critical) started from that model file with the same stage
@@ -251,11 +293,21 @@ def test_fine_tuning_the_top_trains_from_the_frozen_stages_cache(tmp_path):
 
     tuned = save_model(module.model, tmp_path / "tuned.safetensors")
     torch.manual_seed(1)
-    later = CaptionModule(dm.vocab_words, encoder=enc, init_from=str(tuned),
-                          decoder={"embed_dim": 8, "hidden_dim": 16, "attention_dim": 8})
+    later = CaptionModule(
+        dm.vocab_words,
+        encoder=enc,
+        init_from=str(tuned),
+        decoder={"embed_dim": 8, "hidden_dim": 16, "attention_dim": 8},
+    )
     own = {k: v.clone() for k, v in later.model.encoder.state_dict().items()}
-    L.Trainer(max_epochs=0, accelerator="cpu", logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(later, datamodule=dm)
+    L.Trainer(
+        max_epochs=0,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(later, datamodule=dm)
     for k, v in later.model.encoder.state_dict().items():
         expected = after[k] if k.startswith("stages.4.") else own[k]
         torch.testing.assert_close(v, expected, msg=k)

@@ -30,15 +30,17 @@ def test_exif_rotation_is_applied():
     assert img.getpixel((10, 5))[0] > 200 and img.getpixel((10, 35))[0] < 60
 
 
-@pytest.mark.parametrize(("w", "h", "fmt", "size"), [
-    (2000, 1500, "JPEG", (500, 375)),  # 1/4: both sides stay >= 260 (1/8 would not)
-    (4032, 3024, "JPEG", (504, 378)),  # a 12-megapixel phone photo: 1/8
-    (3000, 400, "JPEG", (3000, 400)),  # the short side is under 2 x 260: decoded whole
-    (500, 375, "JPEG", (500, 375)),  # Flickr8k's and COCO's sizes: decoded whole
-    (2000, 1500, "PNG", (2000, 1500)),  # PNG has no reduced decoding
-])
-def test_large_jpegs_decode_at_a_reduced_size_no_smaller_than_the_encoder_input(w, h, fmt,
-                                                                                size):
+@pytest.mark.parametrize(
+    ("w", "h", "fmt", "size"),
+    [
+        (2000, 1500, "JPEG", (500, 375)),  # 1/4: both sides stay >= 260 (1/8 would not)
+        (4032, 3024, "JPEG", (504, 378)),  # a 12-megapixel phone photo: 1/8
+        (3000, 400, "JPEG", (3000, 400)),  # the short side is under 2 x 260: decoded whole
+        (500, 375, "JPEG", (500, 375)),  # Flickr8k's and COCO's sizes: decoded whole
+        (2000, 1500, "PNG", (2000, 1500)),  # PNG has no reduced decoding
+    ],
+)
+def test_large_jpegs_decode_at_a_reduced_size_no_smaller_than_the_encoder_input(w, h, fmt, size):
     data = save(photo(w, h), fmt, quality=90) if fmt == "JPEG" else save(photo(w, h), fmt)
     assert open_image(data).size == (w, h)  # no min_size: full size
     img = open_image(data, min_size=260)
@@ -77,14 +79,17 @@ def test_every_entry_point_feeds_the_encoder_the_same_reduced_photo(tiny_model_f
     assert open_image(str(path), min_size=s).size != (2400, 1800)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: save(photo().convert("CMYK"), "JPEG"),
-    lambda: save(photo().convert("RGBA"), "PNG"),
-    lambda: save(photo().convert("P"), "PNG"),
-    lambda: save(photo(), "BMP"),
-    lambda: save(photo(), "WEBP"),
-    lambda: save(photo(), "TIFF"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: save(photo().convert("CMYK"), "JPEG"),
+        lambda: save(photo().convert("RGBA"), "PNG"),
+        lambda: save(photo().convert("P"), "PNG"),
+        lambda: save(photo(), "BMP"),
+        lambda: save(photo(), "WEBP"),
+        lambda: save(photo(), "TIFF"),
+    ],
+)
 def test_common_modes_become_rgb(make):
     img = open_image(make())
     assert img.mode == "RGB" and img.size == (40, 20)
@@ -115,11 +120,14 @@ def test_animated_gif_gives_its_first_frame():
     assert r > 200 and b < 50
 
 
-@pytest.mark.parametrize("data,message", [
-    (b"", "empty"),
-    (b"just some text\n", "not an image"),
-    (save(photo(200, 200), "JPEG")[:300], "corrupt or truncated"),
-])
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (b"", "empty"),
+        (b"just some text\n", "not an image"),
+        (save(photo(200, 200), "JPEG")[:300], "corrupt or truncated"),
+    ],
+)
 def test_bad_files_give_one_line_errors(data, message):
     with pytest.raises(ImageError, match=message) as err:
         open_image(data)
@@ -150,13 +158,19 @@ def test_list_images_finds_by_suffix(tmp_path):
     for name in ("a.jpg", "b.PNG", "notes.txt", "sub/c.webp"):
         (tmp_path / name).write_bytes(b"x")
     assert [p.name for p in list_images([tmp_path])] == ["a.jpg", "b.PNG"]
-    assert [p.name for p in list_images([tmp_path], recursive=True)] == ["a.jpg", "b.PNG",
-                                                                         "c.webp"]
+    assert [p.name for p in list_images([tmp_path], recursive=True)] == ["a.jpg", "b.PNG", "c.webp"]
 
 
-@pytest.mark.parametrize("size,warned", [((1, 1), "1x1"), ((31, 200), "under 32"),
-                                         ((900, 100), "beyond 1:8"), ((32, 256), None),
-                                         ((640, 480), None)])
+@pytest.mark.parametrize(
+    "size,warned",
+    [
+        ((1, 1), "1x1"),
+        ((31, 200), "under 32"),
+        ((900, 100), "beyond 1:8"),
+        ((32, 256), None),
+        ((640, 480), None),
+    ],
+)
 def test_degenerate_photos_get_a_warning(size, warned):
     from showattendtell.images import image_warning
 
@@ -172,8 +186,20 @@ def test_a_one_pixel_photo_is_captioned_with_a_warning(tiny_model_file, tmp_path
 
     Image.new("RGB", (1, 1), (255, 0, 0)).save(tmp_path / "pixel.png")
     Image.new("RGB", (64, 64), (255, 0, 0)).save(tmp_path / "fine.png")
-    assert main(["caption", str(tmp_path / "pixel.png"), str(tmp_path / "fine.png"),
-                 "--model", str(tiny_model_file), "--workers", "0"]) == 0
+    assert (
+        main(
+            [
+                "caption",
+                str(tmp_path / "pixel.png"),
+                str(tmp_path / "fine.png"),
+                "--model",
+                str(tiny_model_file),
+                "--workers",
+                "0",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     pixel, fine = (json.loads(line) for line in captured.out.splitlines())
     assert pixel["caption"] and "1x1 pixels" in pixel["warning"] and "warning" not in fine
@@ -181,8 +207,21 @@ def test_a_one_pixel_photo_is_captioned_with_a_warning(tiny_model_file, tmp_path
     result = caption_images(load_model(tiny_model_file, "cpu"), [tmp_path / "pixel.png"])[0]
     assert "1x1" in result.warning and result.to_dict()["warning"] == result.warning
     out = tmp_path / "out.csv"
-    assert main(["caption", str(tmp_path / "pixel.png"), "-o", str(out), "--model",
-                 str(tiny_model_file), "--workers", "0"]) == 0
+    assert (
+        main(
+            [
+                "caption",
+                str(tmp_path / "pixel.png"),
+                "-o",
+                str(out),
+                "--model",
+                str(tiny_model_file),
+                "--workers",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert "1x1 pixels" in out.read_text().splitlines()[1]
 
 
@@ -210,8 +249,20 @@ def test_caption_recursive_through_a_folder_link(tiny_model_file, tmp_path, caps
     Image.new("RGB", (64, 64), (0, 0, 255)).save(real / "a.png")
     (tmp_path / "top").mkdir()
     (tmp_path / "top" / "photos").symlink_to(real, target_is_directory=True)
-    assert main(["caption", str(tmp_path / "top"), "--recursive", "--model",
-                 str(tiny_model_file), "--workers", "0"]) == 0
+    assert (
+        main(
+            [
+                "caption",
+                str(tmp_path / "top"),
+                "--recursive",
+                "--model",
+                str(tiny_model_file),
+                "--workers",
+                "0",
+            ]
+        )
+        == 0
+    )
     [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert record["path"] == str(tmp_path / "top" / "photos" / "a.png")
 

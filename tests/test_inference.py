@@ -21,8 +21,16 @@ def test_finite_or_none():
 
 
 def test_results_are_strict_json_even_with_a_non_finite_score():
-    r = CaptionResult("a dog", ["a", "dog"], float("-inf"), float("nan"),
-                      np.zeros((2, 2, 2)), None, [], warning="tiny")
+    r = CaptionResult(
+        "a dog",
+        ["a", "dog"],
+        float("-inf"),
+        float("nan"),
+        np.zeros((2, 2, 2)),
+        None,
+        [],
+        warning="tiny",
+    )
     d = r.to_dict(with_attention=True)
     assert d["score"] is None and d["log_prob"] is None and d["warning"] == "tiny"
     json.dumps(d, allow_nan=False)
@@ -73,12 +81,27 @@ def test_mixed_precision_captioning(tiny_model_file, tmp_path, capsys):
     assert abs(r.log_prob - exact.log_prob) < 0.5 * max(1.0, abs(exact.log_prob))
     path = tmp_path / "x.png"
     image.save(path)
-    assert main(["caption", str(path), "--model", str(tiny_model_file), "--precision", "bf16",
-                 "--workers", "0"]) == 0
+    assert (
+        main(
+            [
+                "caption",
+                str(path),
+                "--model",
+                str(tiny_model_file),
+                "--precision",
+                "bf16",
+                "--workers",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["caption"]
     if not torch.cuda.is_available():
-        assert main(["caption", str(path), "--model", str(tiny_model_file), "--precision",
-                     "16"]) == 2
+        assert (
+            main(["caption", str(path), "--model", str(tiny_model_file), "--precision", "16"]) == 2
+        )
         err = capsys.readouterr().err.strip()
-        assert err == ("error: --precision 16 needs a CUDA GPU; on a CPU use 32 (the default) "
-                       "or bf16")
+        assert err == (
+            "error: --precision 16 needs a CUDA GPU; on a CPU use 32 (the default) or bf16"
+        )

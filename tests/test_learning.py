@@ -49,8 +49,9 @@ def train_on_shapes(attention: str, steps: int, attend: str = "before"):
     feats, captions, _, _ = make_dataset(512, seed=0)
     vocab = Vocabulary.build(captions, min_count=1)
     caps, lengths = encode_captions(vocab, captions)
-    dec = Decoder(len(vocab), feats.size(2),
-                  DecoderConfig(attention, 32, 64, 32, dropout=0.0, attend=attend))
+    dec = Decoder(
+        len(vocab), feats.size(2), DecoderConfig(attention, 32, 64, 32, dropout=0.0, attend=attend)
+    )
     opt = torch.optim.Adam(dec.parameters(), lr=3e-3)
     baseline = 0.0
     for _ in range(steps):
@@ -71,8 +72,9 @@ def attention_hit_rate(dec, vocab) -> float:
     """How often the attention peak of a word naming an object lies in that object's cell."""
     feats, captions, cells, _ = make_dataset(200, seed=1)
     hits = total = 0
-    for hyps, caption, word_cells in zip(greedy_decode(dec, feats, 6), captions, cells,
-                                         strict=True):
+    for hyps, caption, word_cells in zip(
+        greedy_decode(dec, feats, 6), captions, cells, strict=True
+    ):
         where = dict(zip(caption.split(), word_cells, strict=True))
         colours = caption.split()[0::2]
         for tok, alpha in zip(hyps[0].tokens, hyps[0].alphas, strict=True):
@@ -85,10 +87,13 @@ def attention_hit_rate(dec, vocab) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention,steps,min_rate,attend", [
-    ("soft", 300, 0.5, "before"), ("hard", 400, 0.3, "before"), ("soft", 300, 0.5, "after")])
+@pytest.mark.parametrize(
+    "attention,steps,min_rate,attend",
+    [("soft", 300, 0.5, "before"), ("hard", 400, 0.3, "before"), ("soft", 300, 0.5, "after")],
+)
 def test_attention_finds_the_named_object(attention, steps, min_rate, attend):
     chance = 1 / (GRID * GRID)
     rate = attention_hit_rate(*train_on_shapes(attention, steps, attend))
-    assert rate > min_rate, f"{attention}: attention on the named object {rate:.0%} " \
-                            f"(chance {chance:.0%})"
+    assert rate > min_rate, (
+        f"{attention}: attention on the named object {rate:.0%} (chance {chance:.0%})"
+    )

@@ -22,14 +22,24 @@ ENCODER = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
 
 
 def module(attention="soft", optimizer=None, **objective) -> CaptionModule:
-    return CaptionModule(VOCAB, ENCODER, DecoderConfig(attention, 8, 10, 6, 0.0),
-                         ObjectiveConfig(**objective), optimizer)
+    return CaptionModule(
+        VOCAB,
+        ENCODER,
+        DecoderConfig(attention, 8, 10, 6, 0.0),
+        ObjectiveConfig(**objective),
+        optimizer,
+    )
 
 
-@pytest.mark.parametrize("attention,kw,kind", [
-    ("soft", {}, MaximumLikelihood), ("hard", {}, HardAttentionReinforce),
-    ("soft", {"self_critical": 3}, SelfCritical), ("hard", {"self_critical": 2}, SelfCritical),
-])
+@pytest.mark.parametrize(
+    "attention,kw,kind",
+    [
+        ("soft", {}, MaximumLikelihood),
+        ("hard", {}, HardAttentionReinforce),
+        ("soft", {"self_critical": 3}, SelfCritical),
+        ("hard", {"self_critical": 2}, SelfCritical),
+    ],
+)
 def test_the_objective_is_chosen_once_from_the_config(attention, kw, kind):
     assert type(module(attention, **kw).objective) is kind
 

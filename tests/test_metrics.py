@@ -19,14 +19,26 @@ PREDICTIONS = {
     "4": "a red bus parked on the side of the road",
 }
 REFERENCES = {
-    "1": ["A man riding a wave on top of a surfboard.", "A surfer rides a large wave.",
-          "Man on a surfboard riding the ocean waves."],
-    "2": ["Two dogs are playing in the grass.", "A pair of dogs running on a lawn.",
-          "Two brown dogs play together outside."],
-    "3": ["A plate with rice, broccoli and chicken.", "Food on a white plate.",
-          "A dish of broccoli, meat and rice on a table."],
-    "4": ["A red double decker bus on a city street.", "A bus parked by the curb.",
-          "The red bus is stopped on the side of the road."],
+    "1": [
+        "A man riding a wave on top of a surfboard.",
+        "A surfer rides a large wave.",
+        "Man on a surfboard riding the ocean waves.",
+    ],
+    "2": [
+        "Two dogs are playing in the grass.",
+        "A pair of dogs running on a lawn.",
+        "Two brown dogs play together outside.",
+    ],
+    "3": [
+        "A plate with rice, broccoli and chicken.",
+        "Food on a white plate.",
+        "A dish of broccoli, meat and rice on a table.",
+    ],
+    "4": [
+        "A red double decker bus on a city street.",
+        "A bus parked by the curb.",
+        "The red bus is stopped on the side of the road.",
+    ],
 }
 
 
@@ -63,8 +75,7 @@ def official() -> dict[str, float]:
 @needs_java
 def test_official_scores_equal_the_toolkit(official):
     direct = _direct()
-    assert set(official) == {"Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L",
-                             "CIDEr"}
+    assert set(official) == {"Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"}
     for k, v in direct.items():
         assert official[k] == pytest.approx(v, abs=1e-9), k
     assert 0.3 < official["Bleu_1"] < 1.0 and official["CIDEr"] > 0.5
@@ -79,10 +90,13 @@ def test_python_tokenizer_matches_ptb_on_plain_captions(official):
 
 
 def test_perfect_and_disjoint_captions():
-    refs = {"a": ["the cat sat on the mat", "a cat is on a mat"],
-            "b": ["two birds fly over the sea", "birds flying above water"]}
-    perfect = score_captions({"a": "the cat sat on the mat", "b": "two birds fly over the sea"},
-                             refs, official=False)
+    refs = {
+        "a": ["the cat sat on the mat", "a cat is on a mat"],
+        "b": ["two birds fly over the sea", "birds flying above water"],
+    }
+    perfect = score_captions(
+        {"a": "the cat sat on the mat", "b": "two birds fly over the sea"}, refs, official=False
+    )
     assert perfect["Bleu_4"] == pytest.approx(1.0)
     nothing = score_captions({"a": "zebra xylophone", "b": "quantum yak"}, refs, official=False)
     assert nothing["Bleu_1"] < 1e-6 and nothing["CIDEr"] == pytest.approx(0.0)
@@ -98,9 +112,12 @@ def test_spice_is_skipped_with_a_notice_when_its_models_are_absent(monkeypatch, 
     monkeypatch.setattr(metrics, "spice_available", lambda: False)
     monkeypatch.setattr(metrics, "java_available", lambda: True)
     # skip the Java scorers: only the notice is under test here
-    monkeypatch.setattr(metrics, "_ptb_tokenize",
-                        lambda caps: {k: [" ".join(v[0].lower().split())] * len(v)
-                                      for k, v in caps.items()})
+    monkeypatch.setattr(
+        metrics,
+        "_ptb_tokenize",
+        lambda caps: {k: [" ".join(v[0].lower().split())] * len(v) for k, v in caps.items()},
+    )
+
     class FakeMeteor:
         def compute_score(self, gts, res):
             return 0.5, []
@@ -122,7 +139,13 @@ def test_predictions_without_references_are_refused():
 def test_repetition_counts_captions_that_repeat_a_bigram():
     from showattendtell.metrics import repetition
 
-    got = repetition({"a": "a man sits at a table at a table", "b": "a dog runs on the grass",
-                      "c": "two dogs two cats", "d": "a a a"})
+    got = repetition(
+        {
+            "a": "a man sits at a table at a table",
+            "b": "a dog runs on the grass",
+            "c": "two dogs two cats",
+            "d": "a a a",
+        }
+    )
     # "at a" / "a table" twice in a; "a a" twice in d; c repeats words but no bigram
     assert got == {"repeated_bigram_captions": 0.5, "mean_words": (9 + 6 + 4 + 3) / 4}

@@ -24,8 +24,9 @@ def test_reinforce_gradient_is_unbiased():
 
     seqs = torch.tensor(list(itertools.product(range(L), repeat=T)))  # (9, T)
     n = len(seqs)
-    out = dec(a.expand(n, -1, -1), caps.expand(n, -1), lengths.expand(n), mode="forced",
-              locations=seqs)
+    out = dec(
+        a.expand(n, -1, -1), caps.expand(n, -1), lengths.expand(n), mode="forced", locations=seqs
+    )
     ll = caption_log_likelihood(out, n)
     exact = torch.autograd.grad((out.location_log_prob.exp() * ll).sum(), params)
 
@@ -50,14 +51,15 @@ def test_reinforce_term_is_biased_without_the_score_function():
     caps, lengths = torch.tensor([[1, 7, 2]]), torch.tensor([T])
     params = [dec.attention.score.weight]  # reaches log p(y|s,a) only through the sampling
     seqs = torch.tensor(list(itertools.product(range(L), repeat=T)))
-    out = dec(a.expand(9, -1, -1), caps.expand(9, -1), lengths.expand(9), mode="forced",
-              locations=seqs)
-    exact = torch.autograd.grad((out.location_log_prob.exp() * caption_log_likelihood(out, 9))
-                                .sum(), params)[0]
+    out = dec(
+        a.expand(9, -1, -1), caps.expand(9, -1), lengths.expand(9), mode="forced", locations=seqs
+    )
+    exact = torch.autograd.grad(
+        (out.location_log_prob.exp() * caption_log_likelihood(out, 9)).sum(), params
+    )[0]
     N = 20000
     out = dec(a.expand(N, -1, -1), caps.expand(N, -1), lengths.expand(N), mode="sample")
-    naive = torch.autograd.grad(caption_log_likelihood(out, N).mean(), params,
-                                allow_unused=True)[0]
+    naive = torch.autograd.grad(caption_log_likelihood(out, N).mean(), params, allow_unused=True)[0]
     naive = torch.zeros_like(exact) if naive is None else naive
     assert exact.norm() > 1e-3
     assert (exact - naive).norm() > 0.5 * exact.norm()
@@ -84,8 +86,12 @@ def test_lightning_module_moves_baseline_only_on_sampled_batches():
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(26)]]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
-    module = CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0),
-                           ObjectiveConfig(hard=HardAttentionConfig(expectation_prob=0.0)))
+    module = CaptionModule(
+        vocab,
+        enc,
+        DecoderConfig("hard", 8, 10, 6, 0.0),
+        ObjectiveConfig(hard=HardAttentionConfig(expectation_prob=0.0)),
+    )
     module.train()
     a, caps, lengths = make_batch(D=2048)
     batch = {"inputs": a, "captions": caps, "lengths": lengths}
@@ -121,8 +127,9 @@ def test_leave_one_out_baseline_per_caption():
     from showattendtell.losses import leave_one_out_mean
 
     v = torch.tensor([1.0, 2.0, 6.0, -3.0, -3.0, 0.0])  # two captions, 3 samples each
-    torch.testing.assert_close(leave_one_out_mean(v, 3),
-                               torch.tensor([4.0, 3.5, 1.5, -1.5, -1.5, -3.0]))
+    torch.testing.assert_close(
+        leave_one_out_mean(v, 3), torch.tensor([4.0, 3.5, 1.5, -1.5, -1.5, -3.0])
+    )
 
 
 def test_reinforce_with_the_mean_of_other_samples_is_unbiased():
@@ -134,10 +141,12 @@ def test_reinforce_with_the_mean_of_other_samples_is_unbiased():
     caps, lengths = torch.tensor([[1, 7, 2]]), torch.tensor([T])
     params = [dec.attention.annotation_proj.weight, dec.hidden_proj.weight]
     seqs = torch.tensor(list(itertools.product(range(L), repeat=T)))
-    out = dec(a.expand(9, -1, -1), caps.expand(9, -1), lengths.expand(9), mode="forced",
-              locations=seqs)
-    exact = torch.autograd.grad((out.location_log_prob.exp() * caption_log_likelihood(out, 9))
-                                .sum(), params)
+    out = dec(
+        a.expand(9, -1, -1), caps.expand(9, -1), lengths.expand(9), mode="forced", locations=seqs
+    )
+    exact = torch.autograd.grad(
+        (out.location_log_prob.exp() * caption_log_likelihood(out, 9)).sum(), params
+    )
     N = 60000  # 15000 captions (the same one) x K samples
     torch.manual_seed(0)
     out = dec(a.expand(N, -1, -1), caps.expand(N, -1), lengths.expand(N), mode="sample")
@@ -156,9 +165,12 @@ def test_location_samples_teach_each_caption_k_times_and_leave_b_alone():
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(26)]]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
-    module = CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0),
-                           ObjectiveConfig(hard=HardAttentionConfig(expectation_prob=0.0,
-                                                                    location_samples=3)))
+    module = CaptionModule(
+        vocab,
+        enc,
+        DecoderConfig("hard", 8, 10, 6, 0.0),
+        ObjectiveConfig(hard=HardAttentionConfig(expectation_prob=0.0, location_samples=3)),
+    )
     module.train()
     a, caps, lengths = make_batch(D=2048)
     loss, logs = module.compute_loss({"inputs": a, "captions": caps, "lengths": lengths})
@@ -167,8 +179,12 @@ def test_location_samples_teach_each_caption_k_times_and_leave_b_alone():
     assert float(module.objective.baseline) == 0.0
     assert module.model.decoder.attention.score.weight.grad.abs().sum() > 0
     try:
-        CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0),
-                      ObjectiveConfig(hard=HardAttentionConfig(location_samples=0)))
+        CaptionModule(
+            vocab,
+            enc,
+            DecoderConfig("hard", 8, 10, 6, 0.0),
+            ObjectiveConfig(hard=HardAttentionConfig(location_samples=0)),
+        )
     except TrainingConfigError as e:
         assert "location_samples" in str(e)
     else:
@@ -185,8 +201,9 @@ def test_attention_entropy_penalty_counts_each_word_once_and_sharpens_the_attent
     B, T, L = 2, 5, 9
     alphas = torch.full((B, T, L), 1.0 / L)
     alphas[1, 3:] = 0  # the second caption has 3 words
-    assert torch.allclose(attention_entropy_per_caption(alphas),
-                          torch.tensor([5 * math.log(L), 3 * math.log(L)]))
+    assert torch.allclose(
+        attention_entropy_per_caption(alphas), torch.tensor([5 * math.log(L), 3 * math.log(L)])
+    )
 
     a, caps, lengths = make_batch()
 
@@ -210,8 +227,9 @@ def test_attention_entropy_penalty_counts_each_word_once_and_sharpens_the_attent
     out = small_decoder(seed=4)(a, caps, lengths, mode="expectation")
     plain = soft_attention_loss(out, a.size(0), lam=0.0)
     with_penalty = soft_attention_loss(out, a.size(0), lam=0.0, entropy=0.5)
-    assert torch.allclose(with_penalty.loss - plain.loss,
-                          0.5 * attention_entropy_per_caption(out.alphas).mean())
+    assert torch.allclose(
+        with_penalty.loss - plain.loss, 0.5 * attention_entropy_per_caption(out.alphas).mean()
+    )
     assert mean_entropy(trained(1.0)) < start - 0.3
     assert mean_entropy(trained(0.0)) > start - 0.1
 
@@ -230,8 +248,9 @@ def test_attention_entropy_is_refused_for_hard_attention_reinforce():
         CaptionModule(vocab, enc, DecoderConfig("hard", 8, 10, 6, 0.0), O(attention_entropy=0.1))
     with pytest.raises(TrainingConfigError, match="0 or more"):
         CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0), O(attention_entropy=-1))
-    module = CaptionModule(vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0),
-                           O(attention_entropy=0.1))
+    module = CaptionModule(
+        vocab, enc, DecoderConfig("soft", 8, 10, 6, 0.0), O(attention_entropy=0.1)
+    )
     assert module.objective.attention_entropy == 0.1
 
 

@@ -75,8 +75,8 @@ def test_the_colour_bar_is_labelled_with_weights():
     labels = bar[:, 20:]
     assert (labels[:14] < 100).any() and (labels[-14:] < 100).any()  # "0.500" and "0"
     y = round((1 - (1 / 9) / 0.5) * 299)
-    assert (bar[y - 1:y + 2, :14] < 30).any(axis=0).all()  # the tick across the bar
-    assert (labels[y - 10:y + 10] < 100).any()  # "uniform 1/9" beside it
+    assert (bar[y - 1 : y + 2, :14] < 30).any(axis=0).all()  # the tick across the bar
+    assert (labels[y - 10 : y + 10] < 100).any()  # "uniform 1/9" beside it
     plain = np.asarray(labelled_colour_bar(300, vmax=0.05, cells=9).convert("L")).astype(int)
     assert not (plain[100:250, 20:] < 100).any()  # 1/9 is above this scale: no tick, no label
 

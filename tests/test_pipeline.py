@@ -27,32 +27,39 @@ def test_caption_files_keeps_every_input_in_order(tiny_model_file, tmp_path):
     paths = write_inputs(tmp_path)
     captioner = load_model(tiny_model_file, "cpu")
     with Progress(len(paths), "captions", enabled=False) as progress:
-        records = list(caption_files(captioner, paths, batch_size=2, workers=0,
-                                     progress=progress, beam_size=1))
+        records = list(
+            caption_files(captioner, paths, batch_size=2, workers=0, progress=progress, beam_size=1)
+        )
     assert [r.path for r in records] == paths and progress.done == len(paths)
     assert records[2].result is None and "not an image" in records[2].error
-    alone = [r.caption for r in captioner.caption([p for p in paths if "bad" not in p],
-                                                  beam_size=1)]
+    alone = [
+        r.caption for r in captioner.caption([p for p in paths if "bad" not in p], beam_size=1)
+    ]
     assert [r.result.caption for r in records if r.result] == alone  # batches change nothing
 
 
-@pytest.mark.parametrize(("cores", "cpu", "gpu"), [(1, 0, 1), (2, 0, 1), (8, 0, 7), (16, 2, 15),
-                                                   (64, 4, 16)])
-def test_images_decode_in_this_process_on_a_cpu_and_in_workers_for_a_gpu(monkeypatch, cores,
-                                                                          cpu, gpu):
+@pytest.mark.parametrize(
+    ("cores", "cpu", "gpu"), [(1, 0, 1), (2, 0, 1), (8, 0, 7), (16, 2, 15), (64, 4, 16)]
+)
+def test_images_decode_in_this_process_on_a_cpu_and_in_workers_for_a_gpu(
+    monkeypatch, cores, cpu, gpu
+):
     monkeypatch.setattr(pipeline.os, "cpu_count", lambda: cores)
     assert default_workers("cpu") == cpu and default_workers(torch.device("cuda")) == gpu
 
 
-def test_caption_files_decodes_in_this_process_by_default_on_a_cpu(tiny_model_file, tmp_path,
-                                                                     monkeypatch):
+def test_caption_files_decodes_in_this_process_by_default_on_a_cpu(
+    tiny_model_file, tmp_path, monkeypatch
+):
     seen = []
     real = pipeline.load_batches
-    monkeypatch.setattr(pipeline, "load_batches",
-                        lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
+    monkeypatch.setattr(
+        pipeline, "load_batches", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw)
+    )
     paths = write_photos(tmp_path, 3)
-    records = list(caption_files(load_model(tiny_model_file, "cpu"), paths, batch_size=2,
-                                 beam_size=1))
+    records = list(
+        caption_files(load_model(tiny_model_file, "cpu"), paths, batch_size=2, beam_size=1)
+    )
     assert seen == [default_workers("cpu")] and [r.path for r in records] == paths
 
 
@@ -61,7 +68,7 @@ def test_encode_files_gives_the_grids_of_the_decoded_inputs(tiny_model_file, tmp
     captioner = load_model(tiny_model_file, "cpu")
     seen = []
     for batch, grids in encode_files(paths, captioner.encode, captioner.input_size, 3, 0):
-        assert grids.shape[:2] == (len(batch.decoded()), captioner.model.grid ** 2)
+        assert grids.shape[:2] == (len(batch.decoded()), captioner.model.grid**2)
         seen += [item.path for item in batch.items]
     assert seen == paths
 
@@ -142,9 +149,15 @@ def test_lanes_pass_errors_on_and_stop_when_the_consumer_does():
 def test_caption_files_gives_the_same_records_in_one_or_two_lanes(tiny_model_file, tmp_path):
     paths = write_inputs(tmp_path, 7)
     captioner = load_model(tiny_model_file, "cpu")
-    runs = [[(r.path, r.error, r.result and r.result.caption)
-             for r in caption_files(captioner, paths, batch_size=2, workers=0, lanes=lanes,
-                                    beam_size=3)] for lanes in (1, 2)]
+    runs = [
+        [
+            (r.path, r.error, r.result and r.result.caption)
+            for r in caption_files(
+                captioner, paths, batch_size=2, workers=0, lanes=lanes, beam_size=3
+            )
+        ]
+        for lanes in (1, 2)
+    ]
     assert runs[0] == runs[1] and [p for p, _, _ in runs[0]] == paths
 
 
@@ -164,16 +177,19 @@ def test_progress_writes_lines_without_a_terminal(caplog):
     assert caplog.text == ""
 
 
-@pytest.mark.parametrize(("n", "batch_size", "lanes", "sizes"), [
-    (120, 16, 2, [16] * 6 + [12, 12]),  # 7.5 batches: the last two lanes share 24 photos
-    (128, 16, 2, [16] * 8),
-    (33, 16, 2, [16, 9, 8]),
-    (20, 16, 2, [10, 10]),
-    (100, 16, 3, [16] * 4 + [12, 12, 12]),
-    (1, 16, 2, [1]),
-    (0, 16, 2, []),
-    (120, 16, 1, [16] * 7 + [8]),  # one lane: plain consecutive batches
-])
+@pytest.mark.parametrize(
+    ("n", "batch_size", "lanes", "sizes"),
+    [
+        (120, 16, 2, [16] * 6 + [12, 12]),  # 7.5 batches: the last two lanes share 24 photos
+        (128, 16, 2, [16] * 8),
+        (33, 16, 2, [16, 9, 8]),
+        (20, 16, 2, [10, 10]),
+        (100, 16, 3, [16] * 4 + [12, 12, 12]),
+        (1, 16, 2, [1]),
+        (0, 16, 2, []),
+        (120, 16, 1, [16] * 7 + [8]),  # one lane: plain consecutive batches
+    ],
+)
 def test_the_last_batches_share_the_remainder_between_lanes(n, batch_size, lanes, sizes):
     batches = batch_indices(n, batch_size, lanes)
     assert [len(b) for b in batches] == sizes
@@ -183,7 +199,10 @@ def test_the_last_batches_share_the_remainder_between_lanes(n, batch_size, lanes
 def test_lanes_get_balanced_batches_from_the_pipeline(tiny_model_file, tmp_path):
     paths = write_inputs(tmp_path, 8)  # 9 inputs, one undecodable
     captioner = load_model(tiny_model_file, "cpu")
-    sizes = [len(batch.items) for batch, _ in encode_files(
-        paths, captioner.encode, captioner.input_size, batch_size=4, workers=0, lanes=2)]
+    sizes = [
+        len(batch.items)
+        for batch, _ in encode_files(
+            paths, captioner.encode, captioner.input_size, batch_size=4, workers=0, lanes=2
+        )
+    ]
     assert sizes == [4, 3, 2]  # not 4, 4, 1
-

@@ -10,17 +10,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_each_stage_starts_from_the_model_the_stage_before_exported():
-    done = subprocess.run([sys.executable, "scripts/reproduce_flickr8k.py", "--dry-run"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "scripts/reproduce_flickr8k.py", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     commands = [line[2:].split() for line in done.stderr.splitlines() if line.startswith("+ sat")]
     trains = [c[c.index("--config") + 1] for c in commands if c[1] == "train"]
     exports = [c for c in commands if c[1] == "export"]
-    assert trains == ["configs/flickr8k_lite2_soft.yaml", "configs/flickr8k_lite2_soft_scst.yaml",
-                      "configs/flickr8k_lite2_hard_single.yaml"]
-    assert [e[3] for e in exports] == ["models/flickr8k_lite2_soft_mle.safetensors",
-                                       "models/flickr8k_lite2_soft.safetensors",
-                                       "models/flickr8k_lite2_hard.safetensors"]
+    assert trains == [
+        "configs/flickr8k_lite2_soft.yaml",
+        "configs/flickr8k_lite2_soft_scst.yaml",
+        "configs/flickr8k_lite2_hard_single.yaml",
+    ]
+    assert [e[3] for e in exports] == [
+        "models/flickr8k_lite2_soft_mle.safetensors",
+        "models/flickr8k_lite2_soft.safetensors",
+        "models/flickr8k_lite2_hard.safetensors",
+    ]
     previous = None
     for config, export in zip(trains, exports, strict=True):
         cfg = yaml.safe_load((ROOT / config).read_text())

@@ -16,19 +16,21 @@ from showattendtell.model import DecodingConfig
 from showattendtell.objectives import ObjectiveConfig
 from showattendtell.vocab import Vocabulary
 
-REFS = [["a dog runs on the grass", "a brown dog running", "the dog plays outside"],
-        ["a man rides a bike", "a cyclist on a road", "man riding a bicycle down the street"],
-        ["two kids play in water", "children splash in a pool", "kids swimming"]]
+REFS = [
+    ["a dog runs on the grass", "a brown dog running", "the dog plays outside"],
+    ["a man rides a bike", "a cyclist on a road", "man riding a bicycle down the street"],
+    ["two kids play in water", "children splash in a pool", "kids swimming"],
+]
 CANDS = ["a dog runs on grass", "a man riding a bike on the road", "kids play in the pool"]
-
 
 
 def test_cider_reward_is_the_toolkit_cider_with_the_corpus_idf():
     from pycocoevalcap.cider.cider import Cider
 
     reward = CiderDReward(REFS)
-    _, official = Cider().compute_score(dict(enumerate(REFS)),
-                                        {i: [c] for i, c in enumerate(CANDS)})
+    _, official = Cider().compute_score(
+        dict(enumerate(REFS)), {i: [c] for i, c in enumerate(CANDS)}
+    )
     assert reward(CANDS, REFS) == list(map(float, official))  # the batch is the whole corpus
     # scored alone, a caption keeps the corpus's idf (the toolkit would compute it from 1 image)
     assert reward(CANDS[1:2], REFS[1:2]) == [float(official[1])]
@@ -52,10 +54,12 @@ def shapes_module(attention="soft", max_length=6, meteor=0.0):
     vocab = Vocabulary.build(captions, min_count=1)
     torch.manual_seed(0)
     module = CaptionModule(
-        vocab.itos, EncoderConfig(backbone="resnet50", weights=None, input_size=64),
+        vocab.itos,
+        EncoderConfig(backbone="resnet50", weights=None, input_size=64),
         DecoderConfig(attention, 32, 64, 32, dropout=0.0),
         ObjectiveConfig(self_critical=5, self_critical_meteor=meteor),
-        val_decoding=DecodingConfig(beam_size=1, max_length=max_length, hard_mode="argmax"))
+        val_decoding=DecodingConfig(beam_size=1, max_length=max_length, hard_mode="argmax"),
+    )
     return module, feats, captions, vocab
 
 
@@ -69,8 +73,8 @@ def test_sampled_captions_are_well_formed():
         cut = 0
         for b in range(64):
             n = int(s.lengths[b])  # predicted tokens: the words, and <end> unless cut
-            words = s.captions[b, 1:n + 1].tolist()
-            assert (s.captions[b, n + 1:] == PAD).all()
+            words = s.captions[b, 1 : n + 1].tolist()
+            assert (s.captions[b, n + 1 :] == PAD).all()
             if words[-1] == END:
                 assert s.words(b) == words[:-1] and len(words) <= 7
             else:
@@ -112,8 +116,9 @@ def test_self_critical_training_raises_the_expected_reward():
     module.train()
     for _ in range(50):
         idx = torch.randint(0, 512, (16,))
-        loss, logs = module.compute_loss({"inputs": feats[idx], "captions": caps[idx],
-                                          "lengths": lengths[idx], "index": idx})
+        loss, logs = module.compute_loss(
+            {"inputs": feats[idx], "captions": caps[idx], "lengths": lengths[idx], "index": idx}
+        )
         assert set(logs) == {"nll", "reward", "reward_cider", "attention_entropy"}
         opt.zero_grad()
         loss.backward()
@@ -143,7 +148,7 @@ def test_self_critical_log_prob_is_that_of_the_sampling_distribution(monkeypatch
     s = sample_captions(dec, a, max_length=8)
     monkeypatch.undo()
     steps = torch.stack(drawn, 1)
-    sampled_log_prob = (steps * (s.captions[:, 1:steps.size(1) + 1] != PAD)).sum(1)
+    sampled_log_prob = (steps * (s.captions[:, 1 : steps.size(1) + 1] != PAD)).sum(1)
     out = dec(a, s.captions, s.lengths)
     ones = torch.ones(16)
     # with advantage 1 the loss is minus the mean log-probability of the sampled captions
@@ -158,8 +163,9 @@ def test_self_critical_reward_adds_the_weighted_meteor():
     caps, lengths = encode_captions(vocab, captions)
     idx = torch.arange(8)
     module.train()
-    _, logs = module.compute_loss({"inputs": feats[idx], "captions": caps[idx],
-                                   "lengths": lengths[idx], "index": idx})
+    _, logs = module.compute_loss(
+        {"inputs": feats[idx], "captions": caps[idx], "lengths": lengths[idx], "index": idx}
+    )
     assert set(logs) == {"nll", "reward", "reward_cider", "reward_meteor", "attention_entropy"}
     assert 0.0 < float(logs["reward_meteor"]) <= 1.0
     assert torch.isclose(logs["reward"], logs["reward_cider"] + 2.0 * logs["reward_meteor"])
@@ -170,6 +176,9 @@ def test_self_critical_reward_adds_the_weighted_meteor():
 def test_self_critical_needs_two_samples_per_image():
     for k in (1, -2):
         with pytest.raises(ValueError, match="self_critical must be 0"):
-            CaptionModule(["<pad>", "<start>", "<end>", "<unk>", "a"],
-                          EncoderConfig(backbone="resnet50", weights=None, input_size=64),
-                          DecoderConfig("soft", 8, 8, 8, 0.0), ObjectiveConfig(self_critical=k))
+            CaptionModule(
+                ["<pad>", "<start>", "<end>", "<unk>", "a"],
+                EncoderConfig(backbone="resnet50", weights=None, input_size=64),
+                DecoderConfig("soft", 8, 8, 8, 0.0),
+                ObjectiveConfig(self_critical=k),
+            )

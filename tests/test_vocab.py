@@ -4,8 +4,15 @@ from showattendtell.vocab import SPECIALS, Vocabulary, tokenize
 
 
 def test_tokenize_lowercases_and_strips_punctuation_like_coco():
-    assert tokenize("A dog's ball, on the GRASS .") == ["a", "dog", "'s", "ball", "on", "the",
-                                                       "grass"]
+    assert tokenize("A dog's ball, on the GRASS .") == [
+        "a",
+        "dog",
+        "'s",
+        "ball",
+        "on",
+        "the",
+        "grass",
+    ]
     assert tokenize("Two men -- playing...") == ["two", "men", "playing"]
 
 

@@ -22,8 +22,9 @@ from showattendtell.model_file import save_model
 from showattendtell.vocab import Vocabulary
 
 
-def train_tiny_model(path: Path, steps: int = 100, attention: str = "soft", seed: int = 0,
-                     attend: str = "before") -> Path:
+def train_tiny_model(
+    path: Path, steps: int = 100, attention: str = "soft", seed: int = 0, attend: str = "before"
+) -> Path:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     examples = [make_example(rng) for _ in range(96)]

@@ -27,8 +27,9 @@ class AdditiveAttention(nn.Module):
         """W_a a_i + b for all locations: (B, L, D) -> (B, L, A). Once per image."""
         return self.annotation_proj(annotations)
 
-    def weights(self, projected: torch.Tensor, hidden_proj: torch.Tensor,
-                beams: int = 1) -> torch.Tensor:
+    def weights(
+        self, projected: torch.Tensor, hidden_proj: torch.Tensor, beams: int = 1
+    ) -> torch.Tensor:
         """alpha_t (N, L) from W_a a + b (N / beams, L, A) and U_a h_{t-1} (N, A). Rows come in
         groups of ``beams`` per image (beam search): broadcast over each image's grid instead
         of K copies of it.
@@ -48,9 +49,19 @@ class AdditiveAttention(nn.Module):
         if projected.device.type == "cpu" and not torch.is_grad_enabled():  # training: in
             # pieces, the backward pass's many small matmuls cost more than the cache saves
             per_piece = max(1, CPU_SCORE_BYTES // (beams * L * A * projected.element_size()))
-        e = torch.cat([torch.sigmoid((projected[g:g + per_piece].unsqueeze(1)
-                                      + u[g:g + per_piece]).mul_(2)) @ w2
-                       for g in range(0, G, per_piece)]) if G else u.new_zeros(0, beams, L)
+        e = (
+            torch.cat(
+                [
+                    torch.sigmoid(
+                        (projected[g : g + per_piece].unsqueeze(1) + u[g : g + per_piece]).mul_(2)
+                    )
+                    @ w2
+                    for g in range(0, G, per_piece)
+                ]
+            )
+            if G
+            else u.new_zeros(0, beams, L)
+        )
         return F.softmax(e.view(G * beams, L), dim=1)  # (G, beams, L) -> (N, L)
 
 

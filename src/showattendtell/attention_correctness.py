@@ -90,17 +90,92 @@ class InstancesError(UsageError, ValueError):
 # as in "ski slope"; "skis" counts), "baseball"/"football"/"basketball" (usually the game).
 _CATEGORY_WORDS: dict[str, tuple[str, ...]] = {
     "person": (
-        "person", "man", "woman", "boy", "girl", "child", "kid", "baby", "toddler", "infant",
-        "adult", "teenager", "teen", "youth", "lady", "guy", "gentleman", "friend", "mother",
-        "father", "daughter", "son", "brother", "sister", "bride", "groom", "player", "skier",
-        "surfer", "snowboarder", "skateboarder", "skater", "rollerblader", "cyclist",
-        "bicyclist", "biker", "motorcyclist", "rider", "runner", "jogger", "hiker", "climber",
-        "swimmer", "diver", "kayaker", "waterskier", "wakeboarder", "windsurfer", "athlete",
-        "gymnast", "dancer", "cheerleader", "jockey", "cowboy", "cowgirl", "footballer",
-        "goalie", "referee", "umpire", "batter", "batsman", "baseman", "catcher", "quarterback",
-        "officer", "policeman", "fireman", "firefighter", "soldier", "worker", "vendor", "chef",
-        "musician", "guitarist", "drummer", "singer", "performer", "photographer", "tourist",
-        "student", "pedestrian", "spectator", "onlooker", "clown", "crowd", "audience",
+        "person",
+        "man",
+        "woman",
+        "boy",
+        "girl",
+        "child",
+        "kid",
+        "baby",
+        "toddler",
+        "infant",
+        "adult",
+        "teenager",
+        "teen",
+        "youth",
+        "lady",
+        "guy",
+        "gentleman",
+        "friend",
+        "mother",
+        "father",
+        "daughter",
+        "son",
+        "brother",
+        "sister",
+        "bride",
+        "groom",
+        "player",
+        "skier",
+        "surfer",
+        "snowboarder",
+        "skateboarder",
+        "skater",
+        "rollerblader",
+        "cyclist",
+        "bicyclist",
+        "biker",
+        "motorcyclist",
+        "rider",
+        "runner",
+        "jogger",
+        "hiker",
+        "climber",
+        "swimmer",
+        "diver",
+        "kayaker",
+        "waterskier",
+        "wakeboarder",
+        "windsurfer",
+        "athlete",
+        "gymnast",
+        "dancer",
+        "cheerleader",
+        "jockey",
+        "cowboy",
+        "cowgirl",
+        "footballer",
+        "goalie",
+        "referee",
+        "umpire",
+        "batter",
+        "batsman",
+        "baseman",
+        "catcher",
+        "quarterback",
+        "officer",
+        "policeman",
+        "fireman",
+        "firefighter",
+        "soldier",
+        "worker",
+        "vendor",
+        "chef",
+        "musician",
+        "guitarist",
+        "drummer",
+        "singer",
+        "performer",
+        "photographer",
+        "tourist",
+        "student",
+        "pedestrian",
+        "spectator",
+        "onlooker",
+        "clown",
+        "crowd",
+        "audience",
     ),
     "bicycle": ("bicycle", "bike"),
     "car": ("car", "taxi", "suv", "jeep", "sedan", "limousine", "automobile"),
@@ -109,19 +184,56 @@ _CATEGORY_WORDS: dict[str, tuple[str, ...]] = {
     "bus": ("bus",),
     "train": ("train", "locomotive", "tram", "streetcar"),
     "truck": ("truck", "firetruck", "lorry"),
-    "boat": ("boat", "ship", "sailboat", "rowboat", "speedboat", "motorboat", "canoe", "kayak",
-             "yacht", "ferry"),
+    "boat": (
+        "boat",
+        "ship",
+        "sailboat",
+        "rowboat",
+        "speedboat",
+        "motorboat",
+        "canoe",
+        "kayak",
+        "yacht",
+        "ferry",
+    ),
     "traffic light": ("stoplight",),
     "fire hydrant": ("hydrant",),
     "stop sign": ("stopsign",),
     "parking meter": ("meter",),
     "bench": ("bench",),
-    "bird": ("bird", "duck", "pigeon", "seagull", "gull", "swan", "goose", "pelican", "parrot",
-             "owl", "eagle", "penguin"),
+    "bird": (
+        "bird",
+        "duck",
+        "pigeon",
+        "seagull",
+        "gull",
+        "swan",
+        "goose",
+        "pelican",
+        "parrot",
+        "owl",
+        "eagle",
+        "penguin",
+    ),
     "cat": ("cat", "kitten", "kitty"),
-    "dog": ("dog", "puppy", "pup", "greyhound", "terrier", "poodle", "retriever", "collie",
-            "beagle", "dachshund", "doberman", "pitbull", "husky", "labrador", "dalmatian",
-            "hound"),
+    "dog": (
+        "dog",
+        "puppy",
+        "pup",
+        "greyhound",
+        "terrier",
+        "poodle",
+        "retriever",
+        "collie",
+        "beagle",
+        "dachshund",
+        "doberman",
+        "pitbull",
+        "husky",
+        "labrador",
+        "dalmatian",
+        "hound",
+    ),
     "horse": ("horse", "pony", "foal"),
     "sheep": ("sheep", "lamb"),
     "cow": ("cow", "cattle", "bull", "calf", "ox"),
@@ -188,12 +300,31 @@ _CATEGORY_WORDS: dict[str, tuple[str, ...]] = {
 }
 
 _IRREGULAR_PLURALS = {
-    "person": "people", "man": "men", "woman": "women", "child": "children",
-    "gentleman": "gentlemen", "policeman": "policemen", "fireman": "firemen",
-    "batsman": "batsmen", "baseman": "basemen", "goose": "geese", "calf": "calves",
-    "ox": "oxen", "knife": "knives", "mouse": "mice", "bus": "buses",
-    "sheep": "", "cattle": "", "skis": "", "oranges": "", "broccoli": "", "scissors": "",
-    "luggage": "", "crowd": "crowds", "audience": "audiences", "youth": "youths",
+    "person": "people",
+    "man": "men",
+    "woman": "women",
+    "child": "children",
+    "gentleman": "gentlemen",
+    "policeman": "policemen",
+    "fireman": "firemen",
+    "batsman": "batsmen",
+    "baseman": "basemen",
+    "goose": "geese",
+    "calf": "calves",
+    "ox": "oxen",
+    "knife": "knives",
+    "mouse": "mice",
+    "bus": "buses",
+    "sheep": "",
+    "cattle": "",
+    "skis": "",
+    "oranges": "",
+    "broccoli": "",
+    "scissors": "",
+    "luggage": "",
+    "crowd": "crowds",
+    "audience": "audiences",
+    "youth": "youths",
 }
 _EXTRA_PLURALS = {"person": "persons", "bus": "busses"}  # a second accepted plural
 
@@ -300,8 +431,9 @@ def _overlap(n_pixels: int, grid: int) -> np.ndarray:
     [j, j+1) fills (a row sums to 1; a pixel cut by a cell edge is shared by both cells)."""
     edges = np.arange(grid + 1, dtype=np.float64) * n_pixels / grid
     left = np.arange(n_pixels, dtype=np.float64)
-    overlap = (np.minimum(edges[1:, None], left[None, :] + 1)
-               - np.maximum(edges[:-1, None], left[None, :]))
+    overlap = np.minimum(edges[1:, None], left[None, :] + 1) - np.maximum(
+        edges[:-1, None], left[None, :]
+    )
     return np.clip(overlap, 0.0, None) / (n_pixels / grid)
 
 
@@ -339,8 +471,15 @@ def _exif_transpose(path: str | Path) -> tuple[object | None, tuple[int, int] | 
     except Exception:  # an unreadable header: open_image keeps the pixels as stored
         return None, None
     T = Image.Transpose
-    return {2: T.FLIP_LEFT_RIGHT, 3: T.ROTATE_180, 4: T.FLIP_TOP_BOTTOM, 5: T.TRANSPOSE,
-            6: T.ROTATE_270, 7: T.TRANSVERSE, 8: T.ROTATE_90}.get(orientation), size
+    return {
+        2: T.FLIP_LEFT_RIGHT,
+        3: T.ROTATE_180,
+        4: T.FLIP_TOP_BOTTOM,
+        5: T.TRANSPOSE,
+        6: T.ROTATE_270,
+        7: T.TRANSVERSE,
+        8: T.ROTATE_90,
+    }.get(orientation), size
 
 
 class CocoInstances:
@@ -371,8 +510,9 @@ class CocoInstances:
     @staticmethod
     def _read(path: Path) -> dict:
         if not path.is_file():
-            raise InstancesError(f"instances file {path} not found (COCO's "
-                                 "annotations/instances_<split><year>.json)")
+            raise InstancesError(
+                f"instances file {path} not found (COCO's annotations/instances_<split><year>.json)"
+            )
         try:
             with path.open("rb") as f:
                 data = json.load(f)
@@ -384,17 +524,22 @@ class CocoInstances:
         if not isinstance(data, dict) or not all(
             isinstance(data.get(k), list) for k in ("images", "annotations", "categories")
         ):
-            hint = ("; it looks like a captions file: give annotations/instances_<split><year>.json"
-                    if isinstance(data, dict) and "categories" not in data else "")
-            raise InstancesError(f'{what} (it needs "images", "annotations" and "categories" '
-                                 f"lists){hint}")
+            hint = (
+                "; it looks like a captions file: give annotations/instances_<split><year>.json"
+                if isinstance(data, dict) and "categories" not in data
+                else ""
+            )
+            raise InstancesError(
+                f'{what} (it needs "images", "annotations" and "categories" lists){hint}'
+            )
         try:
             categories = {c["id"]: str(c["name"]) for c in data["categories"]}
             images = {im["id"]: (int(im["width"]), int(im["height"])) for im in data["images"]}
             for ann in data["annotations"]:
                 if ann["category_id"] not in categories or ann["image_id"] not in images:
-                    raise InstancesError(f"{what}: annotation {ann.get('id')} names an unknown "
-                                         "image or category")
+                    raise InstancesError(
+                        f"{what}: annotation {ann.get('id')} names an unknown image or category"
+                    )
                 if not isinstance(ann["segmentation"], (list, dict)):
                     raise TypeError("segmentation")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -408,8 +553,9 @@ class CocoInstances:
     def categories_in(self, image_id: int) -> set[str]:
         return set(self._present.get(image_id, {}))
 
-    def mask(self, image_id: int, category: str, image_path: str | Path | None = None
-             ) -> np.ndarray:
+    def mask(
+        self, image_id: int, category: str, image_path: str | Path | None = None
+    ) -> np.ndarray:
         """(H, W) bool: the union of the category's instances in the photo, turned like the photo
         when its file has an EXIF orientation (``image_path`` given) and was annotated as stored."""
         key = (image_id, category)
@@ -422,9 +568,10 @@ class CocoInstances:
                         warnings.simplefilter("ignore", DeprecationWarning)
                         m |= self.coco.annToMask(ann).astype(bool)
                 except Exception as e:  # pycocotools raises many kinds
-                    raise InstancesError(f"{self.path}: annotation {ann.get('id')} of image "
-                                         f"{image_id} has an unreadable segmentation ({e})"
-                                         ) from None
+                    raise InstancesError(
+                        f"{self.path}: annotation {ann.get('id')} of image "
+                        f"{image_id} has an unreadable segmentation ({e})"
+                    ) from None
             method, size = _exif_transpose(image_path) if image_path else (None, None)
             if method is not None and size == (m.shape[1], m.shape[0]):
                 from PIL import Image
@@ -433,8 +580,9 @@ class CocoInstances:
             self._masks[key] = m
         return self._masks[key]
 
-    def coverage(self, image_id: int, category: str, grid: int,
-                 image_path: str | Path | None = None) -> np.ndarray:
+    def coverage(
+        self, image_id: int, category: str, grid: int, image_path: str | Path | None = None
+    ) -> np.ndarray:
         return cell_coverage(self.mask(image_id, category, image_path), grid)
 
     def forget(self, image_id: int) -> None:
@@ -461,8 +609,12 @@ class _Sums:
         if not self.words:
             return {"words": 0, "correctness": None, "uniform": None, "ratio": None}
         c, u = self.correctness / self.words, self.uniform / self.words
-        return {"words": self.words, "correctness": _finite(c), "uniform": _finite(u),
-                "ratio": _finite(c / u) if u > 0 else None}
+        return {
+            "words": self.words,
+            "correctness": _finite(c),
+            "uniform": _finite(u),
+            "ratio": _finite(c / u) if u > 0 else None,
+        }
 
 
 def _finite(x: float, digits: int = 6) -> float | None:
@@ -479,8 +631,13 @@ class AttentionCorrectness:
     total: _Sums = field(default_factory=_Sums)
     per_category: dict[str, _Sums] = field(default_factory=lambda: defaultdict(_Sums))
 
-    def add(self, image_id: int | None, words: Sequence[str], attention: np.ndarray,
-            image_path: str | Path | None = None) -> list[tuple[int, str, float, float]]:
+    def add(
+        self,
+        image_id: int | None,
+        words: Sequence[str],
+        attention: np.ndarray,
+        image_path: str | Path | None = None,
+    ) -> list[tuple[int, str, float, float]]:
         """Score one captioned photo; returns (word index, category, correctness, uniform) of
         each counted word. A photo the instances file does not annotate is counted as skipped.
         Its masks stay cached (another attention of the same photo reuses them) until the
@@ -490,8 +647,11 @@ class AttentionCorrectness:
             return []
         self.images += 1
         attention = np.asarray(attention)
-        if attention.ndim != 3 or attention.shape[0] != len(words) \
-                or attention.shape[1] != attention.shape[2]:
+        if (
+            attention.ndim != 3
+            or attention.shape[0] != len(words)
+            or attention.shape[1] != attention.shape[2]
+        ):
             raise ValueError(f"attention of shape {attention.shape} for {len(words)} words")
         present = self.instances.categories_in(image_id)
         scored = []
@@ -508,10 +668,13 @@ class AttentionCorrectness:
     def summary(self) -> dict:
         """The strict-JSON summary ``sat evaluate`` prints under "attention_correctness"."""
         cats = sorted(self.per_category.items(), key=lambda kv: (-kv[1].words, kv[0]))
-        return {"words": self.total.words, "images": self.images,
-                "skipped_images": self.skipped_images,
-                **{k: v for k, v in self.total.summary().items() if k != "words"},
-                "per_category": {name: s.summary() for name, s in cats if s.words}}
+        return {
+            "words": self.total.words,
+            "images": self.images,
+            "skipped_images": self.skipped_images,
+            **{k: v for k, v in self.total.summary().items() if k != "words"},
+            "per_category": {name: s.summary() for name, s in cats if s.words},
+        }
 
 
 def location_attention(locations: Sequence[tuple[int, int]], grid: int) -> np.ndarray:
@@ -522,10 +685,18 @@ def location_attention(locations: Sequence[tuple[int, int]], grid: int) -> np.nd
     return out
 
 
-def score_results(instances: CocoInstances,
-                  items: Iterable[tuple[int | None, Sequence[str], np.ndarray,
-                                        Sequence[tuple[int, int]] | None, str | Path | None]]
-                  ) -> dict:
+def score_results(
+    instances: CocoInstances,
+    items: Iterable[
+        tuple[
+            int | None,
+            Sequence[str],
+            np.ndarray,
+            Sequence[tuple[int, int]] | None,
+            str | Path | None,
+        ]
+    ],
+) -> dict:
     """Summary for (COCO id, words, attention (n_words, g, g), the attended (row, col) per word
     or None, image path) of captioned photos: on the attended cells where a location was read
     (hard attention, argmax or sample), else on the attention weights (see the module doc)."""
@@ -535,12 +706,14 @@ def score_results(instances: CocoInstances,
         attention = np.asarray(attention)
         if locations is not None:
             located = True
-            attended.add(image_id, words, location_attention(locations, attention.shape[1]),
-                         path)
+            attended.add(image_id, words, location_attention(locations, attention.shape[1]), path)
         weights.add(image_id, words, attention, path)  # the same masks, cached
         instances.forget(image_id)
     if not located:
         return {"measured_on": "attention weights", **weights.summary()}
     dist = weights.summary()
-    return {"measured_on": "attended locations", **attended.summary(),
-            "distribution": {k: dist[k] for k in ("correctness", "uniform", "ratio")}}
+    return {
+        "measured_on": "attended locations",
+        **attended.summary(),
+        "distribution": {k: dist[k] for k in ("correctness", "uniform", "ratio")},
+    }

@@ -80,8 +80,13 @@ class Writer:
     ``fields`` (a resumed file keeps its own header's layout).
     """
 
-    def __init__(self, fmt: str, with_attention: bool, stream: IO[bytes] | None = None,
-                 fields: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        fmt: str,
+        with_attention: bool,
+        stream: IO[bytes] | None = None,
+        fields: tuple[str, ...] | None = None,
+    ):
         self.fmt, self.with_attention, self.stream = fmt, with_attention, stream
         self.fields = fields or csv_fields(with_attention)
 
@@ -157,8 +162,10 @@ def scan_output(path: Path, fmt: str, with_attention: bool) -> ResumePoint:
 
 def _not_ours(path: Path, fmt: str, where: str) -> OutputError:
     other = "csv" if fmt == "jsonl" else "jsonl"
-    return OutputError(f"--resume: {path} is not a `sat caption` {fmt.upper()} file ({where}); "
-                       f"it is left as it was. Is it the right file (or --format {other})?")
+    return OutputError(
+        f"--resume: {path} is not a `sat caption` {fmt.upper()} file ({where}); "
+        f"it is left as it was. Is it the right file (or --format {other})?"
+    )
 
 
 def _scan_jsonl(path: Path, text: str, with_attention: bool) -> ResumePoint:
@@ -171,8 +178,9 @@ def _scan_jsonl(path: Path, text: str, with_attention: bool) -> ResumePoint:
         rec = _json_record(line)
         if rec is None:
             raise _not_ours(path, "jsonl", f"line {n}")
-        _check_attention(path, "caption" in rec and ("attention" in rec) != with_attention,
-                         with_attention)
+        _check_attention(
+            path, "caption" in rec and ("attention" in rec) != with_attention, with_attention
+        )
         point.done.add(rec["path"])
     ours = tail.startswith(JSONL_RECORD_START) or JSONL_RECORD_START.startswith(tail)
     if not ours:  # a last line without a newline that is not the start of one of our records
@@ -186,8 +194,11 @@ def _json_record(line: str) -> dict | None:
         rec = json.loads(line)
     except ValueError:
         return None
-    if (isinstance(rec, dict) and isinstance(rec.get("path"), str)
-            and ("caption" in rec or "error" in rec)):
+    if (
+        isinstance(rec, dict)
+        and isinstance(rec.get("path"), str)
+        and ("caption" in rec or "error" in rec)
+    ):
         return rec
     return None
 
@@ -221,14 +232,16 @@ def _csv_records(text: str):
 def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
     point = ResumePoint()
     layouts = [csv_fields(a) for a in (False, True)]
-    layouts += [old + extra for old in (_CSV_BEFORE_WARNINGS, _CSV_BEFORE_FAMILIARITY)
-                for extra in ((), ATTENTION_FIELDS)]
+    layouts += [
+        old + extra
+        for old in (_CSV_BEFORE_WARNINGS, _CSV_BEFORE_FAMILIARITY)
+        for extra in ((), ATTENTION_FIELDS)
+    ]
     header = "\n".join(",".join(f) for f in layouts)
     for n, (row, end, ended) in enumerate(_csv_records(text), 1):
         if not ended:  # the last record, cut short by a kill: it must be a prefix of a record
             if n == 1:
-                ok = row is not None and any(",".join(f).startswith(",".join(row))
-                                             for f in layouts)
+                ok = row is not None and any(",".join(f).startswith(",".join(row)) for f in layouts)
             else:
                 ok = row is None or 0 < len(row) <= len(point.fields)
             if not ok:
@@ -240,8 +253,9 @@ def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
             point.fields = tuple(row)
             _check_attention(path, ("attention" in row) != with_attention, with_attention)
         elif len(row) != len(point.fields):
-            raise _not_ours(path, "csv", f"record {n} has {len(row)} columns, the header "
-                                         f"{len(point.fields)}")
+            raise _not_ours(
+                path, "csv", f"record {n} has {len(row)} columns, the header {len(point.fields)}"
+            )
         else:
             point.done.add(row[0])
         point.keep_bytes = end
@@ -250,8 +264,11 @@ def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
 
 def _check_attention(path: Path, mismatch: bool, with_attention: bool) -> None:
     if mismatch:
-        hint = ("was written without --with-attention: drop that option" if with_attention
-                else "was written with --with-attention: add that option")
+        hint = (
+            "was written without --with-attention: drop that option"
+            if with_attention
+            else "was written with --with-attention: add that option"
+        )
         raise OutputError(f"--resume: {path} {hint} to continue it (or write a new file)")
 
 
@@ -306,9 +323,11 @@ class OutputLock:
         except BlockingIOError:
             os.close(self.fd)
             self.fd, self.created = None, False
-            raise OutputError(f"--output {path} is being written by another `sat caption` run; "
-                              "wait for it to finish (then --resume adds what it left out), or "
-                              "give another --output") from None
+            raise OutputError(
+                f"--output {path} is being written by another `sat caption` run; "
+                "wait for it to finish (then --resume adds what it left out), or "
+                "give another --output"
+            ) from None
         except OSError:  # a file system without locks (some network mounts): go on unlocked
             pass
 
@@ -333,18 +352,21 @@ def prepare_folder(option: str, folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise OutputError(f"cannot create the folder for {option} ({folder}): a file of that "
-                          "name is in the way") from None
+        raise OutputError(
+            f"cannot create the folder for {option} ({folder}): a file of that name is in the way"
+        ) from None
     except OSError as e:
-        raise OutputError(f"cannot create the folder for {option} ({folder}): "
-                          f"{e.strerror or e}") from None
+        raise OutputError(
+            f"cannot create the folder for {option} ({folder}): {e.strerror or e}"
+        ) from None
     try:
         fd, probe = tempfile.mkstemp(prefix=".sat-write-test-", dir=folder)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise OutputError(f"cannot write into the folder for {option} ({folder}): "
-                          f"{e.strerror or e}") from None
+        raise OutputError(
+            f"cannot write into the folder for {option} ({folder}): {e.strerror or e}"
+        ) from None
 
 
 def check_new_output(option: str, path: Path, overwrite: bool, resume: bool = False) -> None:
@@ -356,8 +378,10 @@ def check_new_output(option: str, path: Path, overwrite: bool, resume: bool = Fa
         raise OutputError(f"{option} {path} is a folder; give a file name")
     if not overwrite and path.is_file() and path.stat().st_size > 0:
         keep = "add --resume to continue it, " if resume else ""
-        raise OutputError(f"{option} {path} already exists ({path.stat().st_size:,} bytes); "
-                          f"{keep}add --overwrite to replace it, or give another {option}")
+        raise OutputError(
+            f"{option} {path} already exists ({path.stat().st_size:,} bytes); "
+            f"{keep}add --overwrite to replace it, or give another {option}"
+        )
     if path.exists() and not path.is_file():  # /dev/null, a FIFO: written as they are
         return
     if path.exists():

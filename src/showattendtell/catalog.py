@@ -42,14 +42,18 @@ def default_model_path() -> Path:
     env = env_model()
     if env is not None:
         if not env.is_file():
-            raise ModelNotFound(f"${DEFAULT_MODEL_ENV} is {env}, which is not a file: point it "
-                                "at a model file or unset it")
+            raise ModelNotFound(
+                f"${DEFAULT_MODEL_ENV} is {env}, which is not a file: point it "
+                "at a model file or unset it"
+            )
         return env
     bundled = bundled_models()
     if bundled:
         return bundled[0]
-    raise ModelNotFound("no model given and no bundled model installed: pass --model "
-                        f"MODEL.safetensors (or set {DEFAULT_MODEL_ENV})")
+    raise ModelNotFound(
+        "no model given and no bundled model installed: pass --model "
+        f"MODEL.safetensors (or set {DEFAULT_MODEL_ENV})"
+    )
 
 
 def named_models() -> dict[str, Path]:
@@ -69,8 +73,10 @@ def resolve_model(spec: str | Path | None) -> Path:
         return default_model_path()
     path = Path(spec)
     if path.is_dir():
-        raise ModelNotFound(f"--model {spec} is a folder: give a model file (.safetensors) or "
-                            "the name of a model (`sat models` lists them)")
+        raise ModelNotFound(
+            f"--model {spec} is a folder: give a model file (.safetensors) or "
+            "the name of a model (`sat models` lists them)"
+        )
     if path.is_file():
         return path
     name = str(spec).removesuffix(MODEL_SUFFIX)
@@ -78,8 +84,10 @@ def resolve_model(spec: str | Path | None) -> Path:
     if name in named:
         return named[name]
     known = ", ".join(named) or "none installed"
-    raise ModelNotFound(f"--model {spec}: no such file, and no model of that name (models: "
-                        f"{known}; `sat models` lists them)")
+    raise ModelNotFound(
+        f"--model {spec}: no such file, and no model of that name (models: "
+        f"{known}; `sat models` lists them)"
+    )
 
 
 ENSEMBLE_SEPARATOR = "+"
@@ -93,6 +101,7 @@ def resolve_models(spec: str | Path | None) -> list[Path]:
         return [resolve_model(spec)]
     parts = text.split(ENSEMBLE_SEPARATOR)
     if any(not p.strip() for p in parts):
-        raise ModelNotFound(f"--model {spec}: an ensemble is MODEL+MODEL[+...], each a model "
-                            "file or name")
+        raise ModelNotFound(
+            f"--model {spec}: an ensemble is MODEL+MODEL[+...], each a model file or name"
+        )
     return [resolve_model(p.strip()) for p in parts]

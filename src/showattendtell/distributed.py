@@ -29,9 +29,11 @@ def accelerator_for(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device in ("cpu", "cuda"):
         return device
-    raise UsageError(f"--device {device} names one device; with --devices N say --device cuda "
-                     "(the N processes take GPUs 0..N-1; CUDA_VISIBLE_DEVICES picks others) or "
-                     "--device cpu")
+    raise UsageError(
+        f"--device {device} names one device; with --devices N say --device cuda "
+        "(the N processes take GPUs 0..N-1; CUDA_VISIBLE_DEVICES picks others) or "
+        "--device cpu"
+    )
 
 
 def share_batches(n: int, batch_size: int, rank: int, world: int) -> tuple[list[range], list[int]]:
@@ -55,11 +57,13 @@ class Processes:
             from lightning.fabric import Fabric
 
             try:
-                self.fabric = Fabric(accelerator=accelerator, devices=devices,
-                                     num_nodes=num_nodes, strategy="ddp")
+                self.fabric = Fabric(
+                    accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy="ddp"
+                )
             except (ValueError, RuntimeError) as e:  # more GPUs than there are, no GPU at all
-                raise UsageError(f"cannot start {devices} processes on {accelerator}: "
-                                 f"{str(e).splitlines()[0]}") from None
+                raise UsageError(
+                    f"cannot start {devices} processes on {accelerator}: {str(e).splitlines()[0]}"
+                ) from None
 
     @property
     def rank(self) -> int:

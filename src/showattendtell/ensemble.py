@@ -34,8 +34,9 @@ class EnsembleState:
     def select(self, rows: torch.Tensor, same_images: bool = False) -> EnsembleState:
         return EnsembleState(tuple(s.select(rows, same_images) for s in self.members))
 
-    def regroup(self, rows: torch.Tensor, beams: int,
-                images: torch.Tensor | None = None) -> EnsembleState:
+    def regroup(
+        self, rows: torch.Tensor, beams: int, images: torch.Tensor | None = None
+    ) -> EnsembleState:
         return EnsembleState(tuple(s.regroup(rows, beams, images) for s in self.members))
 
 
@@ -53,10 +54,13 @@ class EnsembleDecoder(nn.Module):
     def start(self, annotations: torch.Tensor, word_gates: bool = False) -> EnsembleState:
         return EnsembleState(tuple(d.start(annotations, word_gates) for d in self.members))
 
-    def step(self, prev_words: torch.Tensor, state: EnsembleState,
-             hard_mode: str = "argmax") -> Step:
-        steps = [d.step(prev_words, s, hard_mode)
-                 for d, s in zip(self.members, state.members, strict=True)]
+    def step(
+        self, prev_words: torch.Tensor, state: EnsembleState, hard_mode: str = "argmax"
+    ) -> Step:
+        steps = [
+            d.step(prev_words, s, hard_mode)
+            for d, s in zip(self.members, state.members, strict=True)
+        ]
         log_probs = torch.stack([s.log_probs for s in steps])  # (M, N, V)
         log_probs = torch.logsumexp(log_probs, 0) - math.log(len(steps))  # log mean p: (N, V)
         alpha = torch.stack([s.alpha.float() for s in steps]).mean(0).to(steps[0].alpha.dtype)
@@ -75,15 +79,24 @@ class EnsembleModel(CaptionModel):
         ref = first.encoder.state_dict()
         for model, name in zip(models[1:], names[1:], strict=True):
             if list(model.vocab.itos) != list(first.vocab.itos):
-                raise EnsembleError(f"{name} has another vocabulary than {names[0]}: an "
-                                    "ensemble needs models trained with the same vocabulary")
+                raise EnsembleError(
+                    f"{name} has another vocabulary than {names[0]}: an "
+                    "ensemble needs models trained with the same vocabulary"
+                )
             other = model.encoder.state_dict()
             # to float16 rounding: two exports of one frozen encoder may differ in its last bit
-            if (model.encoder.config != first.encoder.config or set(other) != set(ref)
-                    or any(not torch.allclose(other[k].float(), ref[k].float(), rtol=1e-3,
-                                              atol=1e-6) for k in ref)):
-                raise EnsembleError(f"{name} has another encoder than {names[0]}: an ensemble "
-                                    "needs models with the same encoder (backbone, weights, size)")
+            if (
+                model.encoder.config != first.encoder.config
+                or set(other) != set(ref)
+                or any(
+                    not torch.allclose(other[k].float(), ref[k].float(), rtol=1e-3, atol=1e-6)
+                    for k in ref
+                )
+            ):
+                raise EnsembleError(
+                    f"{name} has another encoder than {names[0]}: an ensemble "
+                    "needs models with the same encoder (backbone, weights, size)"
+                )
         self.vocab = first.vocab
         self.encoder = first.encoder
         self.decoder = EnsembleDecoder([m.decoder for m in models])

@@ -20,8 +20,19 @@ from torch.utils.data import DataLoader, Dataset
 from showattendtell.encoder import IMAGENET_MEAN, IMAGENET_STD
 from showattendtell.errors import UserError
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".heic",
-                  ".heif", ".avif")
+IMAGE_SUFFIXES = (
+    ".jpg",
+    ".jpeg",
+    ".png",
+    ".webp",
+    ".bmp",
+    ".gif",
+    ".tif",
+    ".tiff",
+    ".heic",
+    ".heif",
+    ".avif",
+)
 HEIF_SUFFIXES = (".heic", ".heif")  # what phones write; decoded by pillow-heif's PIL opener
 
 
@@ -48,7 +59,8 @@ class ImageError(UserError, ValueError):
 
 
 def open_image(
-    source: str | Path | bytes | Image.Image, max_pixels: int = MAX_PIXELS,
+    source: str | Path | bytes | Image.Image,
+    max_pixels: int = MAX_PIXELS,
     min_size: int | None = None,
 ) -> Image.Image:
     """Decode a file, bytes or PIL image to an upright 8-bit RGB image.
@@ -79,12 +91,15 @@ def open_image(
             img = Image.open(fp)
         except UnidentifiedImageError:
             if not HEIF_SUPPORTED and str(source).lower().endswith(HEIF_SUFFIXES):
-                raise ImageError(f"{name}: HEIC/HEIF is not supported without pillow-heif "
-                                 "(pip install pillow-heif)") from None
+                raise ImageError(
+                    f"{name}: HEIC/HEIF is not supported without pillow-heif "
+                    "(pip install pillow-heif)"
+                ) from None
             raise ImageError(f"{name}: not an image file (or a format we cannot read)") from None
         except Image.DecompressionBombError:
-            raise ImageError(f"{name}: the image is too large (over {max_pixels:,} pixels); "
-                             "resize it first") from None
+            raise ImageError(
+                f"{name}: the image is too large (over {max_pixels:,} pixels); resize it first"
+            ) from None
         except OSError as e:
             raise ImageError(f"{name}: the image data is corrupt or truncated ({e})") from None
         if img.width * img.height > max_pixels:
@@ -138,11 +153,15 @@ def image_warning(img: Image.Image) -> str | None:
 def size_warning(w: int, h: int) -> str | None:
     """``image_warning`` for an upright photo of w x h pixels."""
     if min(w, h) < MIN_SIDE:
-        return (f"the image is only {w}x{h} pixels (a side under {MIN_SIDE}): the caption is "
-                "little more than a guess")
+        return (
+            f"the image is only {w}x{h} pixels (a side under {MIN_SIDE}): the caption is "
+            "little more than a guess"
+        )
     if max(w, h) / min(w, h) > MAX_ASPECT:
-        return (f"the image is {w}x{h} pixels, an aspect ratio beyond 1:{MAX_ASPECT:g}: it is "
-                "squashed to a square for the model, so the caption may be wrong")
+        return (
+            f"the image is {w}x{h} pixels, an aspect ratio beyond 1:{MAX_ASPECT:g}: it is "
+            "squashed to a square for the model, so the caption may be wrong"
+        )
     return None
 
 
@@ -163,10 +182,17 @@ def resize(img: Image.Image, input_size: int) -> torch.Tensor:
     x = x.permute(2, 0, 1).unsqueeze(0)  # (1, C, H, W), channels-last in memory
     if x.shape[-2:] == (input_size, input_size):
         return x[0]
-    native = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-              or platform.machine() in ("aarch64", "arm64"))
-    y = torch.nn.functional.interpolate(x if native else x.float(), size=[input_size] * 2,
-                                        mode="bilinear", align_corners=False, antialias=True)
+    native = torch.backends.cpu.get_cpu_capability() in (
+        "AVX2",
+        "AVX512",
+    ) or platform.machine() in ("aarch64", "arm64")
+    y = torch.nn.functional.interpolate(
+        x if native else x.float(),
+        size=[input_size] * 2,
+        mode="bilinear",
+        align_corners=False,
+        antialias=True,
+    )
     return (y if native else y.round_().to(torch.uint8))[0]
 
 
@@ -180,8 +206,9 @@ def normalise(x: torch.Tensor) -> torch.Tensor:
     return x.sub(mean).div_(std)  # as torchvision's normalize
 
 
-def list_images(paths: list[str | Path], recursive: bool = False,
-                skipped: Counter[str] | None = None) -> list[Path]:
+def list_images(
+    paths: list[str | Path], recursive: bool = False, skipped: Counter[str] | None = None
+) -> list[Path]:
     """Image files named directly, or found in folders (sorted), by suffix.
 
     ``recursive`` follows symbolic links to folders, each real folder once (a link back to a
@@ -209,9 +236,11 @@ def list_images(paths: list[str | Path], recursive: bool = False,
                 files += [Path(top, n) for n in names if Path(top, n).is_file()]
         found += sorted(f for f in files if f.suffix.lower() in IMAGE_SUFFIXES)
         if skipped is not None:
-            skipped.update(f.suffix.lower() for f in files
-                           if f.suffix.lower() not in IMAGE_SUFFIXES
-                           and not f.name.startswith("."))
+            skipped.update(
+                f.suffix.lower()
+                for f in files
+                if f.suffix.lower() not in IMAGE_SUFFIXES and not f.name.startswith(".")
+            )
     return found
 
 
@@ -297,8 +326,7 @@ class ImageFiles(Dataset):
         return load_image(self.paths[i], self.input_size, i, normalised=False)
 
 
-def load_image(path: str, input_size: int, index: int = 0,
-               normalised: bool = True) -> LoadedImage:
+def load_image(path: str, input_size: int, index: int = 0, normalised: bool = True) -> LoadedImage:
     """Decode and preprocess one file (``normalised``: False keeps the resized uint8 image);
     never raises: a bad file gives a LoadedImage with an error (a decoder bug on one file must
     not stop a run over thousands)."""
@@ -314,7 +342,7 @@ def load_image(path: str, input_size: int, index: int = 0,
 
 def _strip_path(message: str, path: str) -> str:
     """'photos/a.jpg: not an image file' -> 'not an image file' (the path is its own field)."""
-    return message[len(path) + 2:] if message.startswith(path + ": ") else message
+    return message[len(path) + 2 :] if message.startswith(path + ": ") else message
 
 
 def collate_images(items: list[LoadedImage]) -> ImageBatch:
@@ -339,15 +367,26 @@ def batch_indices(n: int, batch_size: int, lanes: int = 1) -> list[range]:
     # million photos would hold a million ints here for the whole run
 
 
-def load_batches(paths: Sequence[str | Path], input_size: int, batch_size: int, workers: int,
-                 pin_memory: bool = False, lanes: int = 1,
-                 jpeg_on_device: bool = False) -> Iterator[ImageBatch]:
+def load_batches(
+    paths: Sequence[str | Path],
+    input_size: int,
+    batch_size: int,
+    workers: int,
+    pin_memory: bool = False,
+    lanes: int = 1,
+    jpeg_on_device: bool = False,
+) -> Iterator[ImageBatch]:
     """Batches of decoded, resized uint8 images in input order, decoded by ``workers``
     processes (``normalise`` them where they are used); the last ``lanes`` batches share the
     remainder (``batch_indices``). ``jpeg_on_device``: JPEGs are left to
     ``ImageBatch.images`` to decode on the GPU."""
-    loader = DataLoader(ImageFiles(paths, input_size, jpeg_on_device),
-                        batch_sampler=batch_indices(len(paths), batch_size, lanes),
-                        num_workers=workers, collate_fn=collate_images, pin_memory=pin_memory,
-                        prefetch_factor=4 if workers else None, persistent_workers=False)
+    loader = DataLoader(
+        ImageFiles(paths, input_size, jpeg_on_device),
+        batch_sampler=batch_indices(len(paths), batch_size, lanes),
+        num_workers=workers,
+        collate_fn=collate_images,
+        pin_memory=pin_memory,
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+    )
     yield from loader

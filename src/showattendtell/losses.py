@@ -11,8 +11,9 @@ from showattendtell.attention import attention_entropy
 from showattendtell.decoder import TeacherForcedOutput
 
 
-def _per_caption(out: TeacherForcedOutput, batch_size: int, token_values: torch.Tensor
-                 ) -> torch.Tensor:
+def _per_caption(
+    out: TeacherForcedOutput, batch_size: int, token_values: torch.Tensor
+) -> torch.Tensor:
     """Sums of per-token values (N,) by caption, (B,): padding never enters."""
     return torch.zeros(batch_size, device=token_values.device).index_add(
         0, out.caption_index, token_values
@@ -25,8 +26,9 @@ def caption_log_likelihood(out: TeacherForcedOutput, batch_size: int) -> torch.T
     return _per_caption(out, batch_size, token_logp)
 
 
-def smoothed_log_likelihood(out: TeacherForcedOutput, batch_size: int, eps: float
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def smoothed_log_likelihood(
+    out: TeacherForcedOutput, batch_size: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(y | a), the smoothed targets' negative cross-entropy) per caption, (B,) each, from
     one log-softmax: each word's target is (1 - eps) on the word + eps spread evenly over the
     vocabulary (Szegedy et al. 2016), what F.cross_entropy's label_smoothing computes."""
@@ -54,8 +56,13 @@ class LossTerms:
     log_likelihood: torch.Tensor  # (B,) log p(y | s, a) per caption
 
 
-def soft_attention_loss(out: TeacherForcedOutput, batch_size: int, lam: float = 1.0,
-                        entropy: float = 0.0, label_smoothing: float = 0.0) -> LossTerms:
+def soft_attention_loss(
+    out: TeacherForcedOutput,
+    batch_size: int,
+    lam: float = 1.0,
+    entropy: float = 0.0,
+    label_smoothing: float = 0.0,
+) -> LossTerms:
     """-log p(y|a) + lambda * sum_i (1 - sum_t alpha_ti)^2 [+ entropy * sum_t H(alpha_t)],
     averaged over captions; with ``label_smoothing`` the first term is the smoothed targets'
     cross-entropy (the logged nll and log_likelihood stay the plain ones)."""
@@ -101,7 +108,6 @@ def hard_attention_loss(
     return LossTerms(-objective.mean(), -ll.sum() / out.targets.numel(), ll)
 
 
-
 def leave_one_out_mean(values: torch.Tensor, k: int) -> torch.Tensor:
     """For (N*k,) values in groups of k consecutive rows: each row's mean over the k - 1 other
     rows of its group, (N*k,)."""
@@ -115,8 +121,12 @@ def update_baseline(baseline: float, log_likelihood: torch.Tensor, decay: float 
 
 
 def self_critical_loss(
-    out: TeacherForcedOutput, batch_size: int, reward: torch.Tensor, baseline: torch.Tensor,
-    banned: torch.Tensor, entropy: float = 0.0,
+    out: TeacherForcedOutput,
+    batch_size: int,
+    reward: torch.Tensor,
+    baseline: torch.Tensor,
+    banned: torch.Tensor,
+    entropy: float = 0.0,
 ) -> LossTerms:
     """Self-critical sequence training (Rennie et al. 2017), the REINFORCE gradient
 

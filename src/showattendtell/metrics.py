@@ -21,6 +21,7 @@ from showattendtell.vocab import tokenize
 
 log = logging.getLogger(__name__)
 
+
 class MetricsError(UserError, RuntimeError):
     """The official scorer cannot run here; the message says what to install."""
 
@@ -32,8 +33,10 @@ def java_available() -> bool:
 def require_java(what: str, otherwise: str = "and try again") -> None:
     """Raise MetricsError "WHAT: install a Java runtime (...) OTHERWISE" when there is no Java."""
     if not java_available():
-        raise MetricsError(f"{what}: install a Java runtime (e.g. `apt-get install "
-                           f"default-jre-headless`) {otherwise}")
+        raise MetricsError(
+            f"{what}: install a Java runtime (e.g. `apt-get install "
+            f"default-jre-headless`) {otherwise}"
+        )
 
 
 def spice_available() -> bool:
@@ -88,7 +91,8 @@ def score_captions(
         gts = {k: [" ".join(tokenize(r)) for r in references[k]] for k in keys}
 
     scorers: list[tuple[object, list[str] | str]] = [
-        (Bleu(4), ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]), (Rouge(), "ROUGE_L"),
+        (Bleu(4), ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]),
+        (Rouge(), "ROUGE_L"),
         (Cider(), "CIDEr"),
     ]
     if official:
@@ -98,8 +102,10 @@ def score_captions(
 
             scorers.append((Spice(), "SPICE"))
         elif spice:
-            log.warning("SPICE skipped: its Stanford CoreNLP models are not installed "
-                        "(pycocoevalcap/spice/get_stanford_models.py downloads them)")
+            log.warning(
+                "SPICE skipped: its Stanford CoreNLP models are not installed "
+                "(pycocoevalcap/spice/get_stanford_models.py downloads them)"
+            )
     scores: dict[str, float] = {}
     for scorer, names in scorers:
         try:

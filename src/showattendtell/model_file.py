@@ -80,8 +80,10 @@ def save_model(
 def _read_header(path: Path) -> dict[str, str]:
     """The string metadata of a model file, checked to be ours (the weights are not read)."""
     if path.is_dir():
-        raise ModelFileError(f"{path} is a folder: give a model file (.safetensors) or the name "
-                             "of a model (`sat models` lists them)")
+        raise ModelFileError(
+            f"{path} is a folder: give a model file (.safetensors) or the name "
+            "of a model (`sat models` lists them)"
+        )
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
     if path.suffix == ".ckpt":
@@ -126,11 +128,18 @@ def describe_model(path: str | Path) -> dict:
     meta = _read_header(path)
     encoder, decoder, decoding, vocab, info = _parse_header(path, meta)
     consensus = json.loads(meta["consensus"]) if "consensus" in meta else None
-    return {"attention": decoder.attention, "encoder": encoder.backbone,
-            "input_size": encoder.input_size, "grid": encoder.grid,
-            "feature_dim": encoder.feature_dim, "hidden_dim": decoder.hidden_dim,
-            "vocab_size": len(vocab), "decoding": decoding.to_dict(), "info": info,
-            "consensus_photos": len(consensus["references"]) if consensus else 0}
+    return {
+        "attention": decoder.attention,
+        "encoder": encoder.backbone,
+        "input_size": encoder.input_size,
+        "grid": encoder.grid,
+        "feature_dim": encoder.feature_dim,
+        "hidden_dim": decoder.hidden_dim,
+        "vocab_size": len(vocab),
+        "decoding": decoding.to_dict(),
+        "info": info,
+        "consensus_photos": len(consensus["references"]) if consensus else 0,
+    }
 
 
 def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
@@ -145,8 +154,11 @@ def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
         ) from None
     encoder, decoder, decoding, vocab, info = _parse_header(path, meta)
     model = CaptionModel(vocab, encoder, decoder, load_encoder_weights=False)
-    index = {k[len(CONSENSUS_PREFIX):]: state.pop(k) for k in list(state)
-             if k.startswith(CONSENSUS_PREFIX)}
+    index = {
+        k[len(CONSENSUS_PREFIX) :]: state.pop(k)
+        for k in list(state)
+        if k.startswith(CONSENSUS_PREFIX)
+    }
     if index or "consensus" in meta:
         try:
             model.consensus = ConsensusIndex.from_file(index, json.loads(meta["consensus"]))
@@ -157,7 +169,9 @@ def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
         raise ModelFileError(f"{path}: the weights do not match the model it describes")
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:  # a diverged run: every caption would be empty or NaN-scored
-        raise ModelFileError(f"{path}: {len(bad)} weight tensors hold NaN or Inf values (e.g. "
-                             f"{bad[0]}): the training run diverged; export an earlier checkpoint")
+        raise ModelFileError(
+            f"{path}: {len(bad)} weight tensors hold NaN or Inf values (e.g. "
+            f"{bad[0]}): the training run diverged; export an earlier checkpoint"
+        )
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return model.eval(), decoding, info

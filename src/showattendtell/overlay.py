@@ -23,8 +23,9 @@ def label_font(size: int) -> ImageFont.ImageFont:
         return ImageFont.load_default(size)
 
 
-def upsample_attention(grid: np.ndarray, width: int, height: int,
-                       vmax: float | None = None) -> np.ndarray:
+def upsample_attention(
+    grid: np.ndarray, width: int, height: int, vmax: float | None = None
+) -> np.ndarray:
     """A (g, g) attention map -> a smooth (height, width) map in [0, 1] (bicubic): weight / vmax,
     clipped; vmax None stretches the map to its own maximum."""
     t = torch.as_tensor(np.asarray(grid), dtype=torch.float32)[None, None]
@@ -108,23 +109,27 @@ def panel_size(width: int, height: int, size: int) -> tuple[int, int]:
     return max(w, least), max(h, least)
 
 
-def word_panels(image: Image.Image, result: CaptionResult, size: int = 224,
-                vmax: float | None = None) -> list[Image.Image]:
+def word_panels(
+    image: Image.Image, result: CaptionResult, size: int = 224, vmax: float | None = None
+) -> list[Image.Image]:
     """One overlay per word, resized so that the longer side is ``size`` (``panel_size``;
     vmax: see overlay_attention)."""
     image = image.convert("RGB")
     small = image.resize(panel_size(image.width, image.height, size), Image.Resampling.BICUBIC)
     locs = result.locations or [None] * len(result.words)
-    return [overlay_attention(small, grid, loc, vmax=vmax)
-            for grid, loc in zip(result.attention, locs, strict=True)]
+    return [
+        overlay_attention(small, grid, loc, vmax=vmax)
+        for grid, loc in zip(result.attention, locs, strict=True)
+    ]
 
 
 SHEET_SOURCE_SIZE = 5 * (200 + 8)  # the widest a caption sheet shows the photo (5 panels of
 # 200 px and their gaps): `sat caption --overlays` decodes photos no smaller than this
 
 
-def caption_sheet(image: Image.Image, result: CaptionResult, panel: int = 200,
-                  columns: int = 5) -> Image.Image:
+def caption_sheet(
+    image: Image.Image, result: CaptionResult, panel: int = 200, columns: int = 5
+) -> Image.Image:
     """The image and its caption on top, then a grid of word panels labelled with each word and
     its largest weight. One colour scale for the whole caption (0 to the largest weight of any
     word), labelled on the bar with that weight and the uniform level: a word whose attention
@@ -139,22 +144,26 @@ def caption_sheet(image: Image.Image, result: CaptionResult, panel: int = 200,
     cols = max(1, min(columns, len(panels)))
     rows = (len(panels) + cols - 1) // cols
     top_scale = min(1.0, (cols * (pw + pad)) / max(image.width, 1), 360 / max(image.height, 1))
-    top = image.resize((max(1, round(image.width * top_scale)),
-                        max(1, round(image.height * top_scale))))
+    top = image.resize(
+        (max(1, round(image.width * top_scale)), max(1, round(image.height * top_scale)))
+    )
     width = max(cols * (pw + pad) + pad + LABELLED_BAR_WIDTH + pad, top.width + 2 * pad)
     cap_h = 40
     height = pad + top.height + cap_h + rows * (ph + label_h + pad) + pad
     sheet = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     sheet.paste(top, (pad, pad))
-    draw.text((pad, pad + top.height + 8), result.caption or "(empty caption)", fill=(0, 0, 0),
-              font=label_font(20))
+    draw.text(
+        (pad, pad + top.height + 8),
+        result.caption or "(empty caption)",
+        fill=(0, 0, 0),
+        font=label_font(20),
+    )
     y0 = pad + top.height + cap_h
     for i, (p, word) in enumerate(zip(panels, result.words, strict=True)):
         r, c = divmod(i, cols)
         x, y = pad + c * (pw + pad), y0 + r * (ph + label_h + pad)
-        draw.text((x, y), f"{word}  {weight_label(maxima[i])}", fill=(0, 0, 0),
-                  font=label_font(16))
+        draw.text((x, y), f"{word}  {weight_label(maxima[i])}", fill=(0, 0, 0), font=label_font(16))
         sheet.paste(p, (x, y + label_h))
     if panels:
         cells = int(np.asarray(result.attention[0]).size)

@@ -106,15 +106,22 @@ def in_lanes(fn: Callable[[T], U], items: Iterable[T], lanes: int) -> Iterator[U
     # Each lane sets its share itself: MKL's thread count (the matmuls) is per thread, and a
     # new thread's is all cores whatever the main thread set, so two lanes ran 2 x 2 matmul
     # threads on 2 cores (torch.get_num_threads() in a lane says 1 all the same).
-    with threads_per_lane(lanes) as share, ThreadPoolExecutor(
-            lanes, "sat-lane", initializer=torch.set_num_threads, initargs=(share,)) as pool:
+    with (
+        threads_per_lane(lanes) as share,
+        ThreadPoolExecutor(
+            lanes, "sat-lane", initializer=torch.set_num_threads, initargs=(share,)
+        ) as pool,
+    ):
         pending: deque[Future[U]] = deque()  # in input order; at most 2 x lanes
         try:
             while pending or not exhausted:
                 # A lane that is done takes the next item at once, even while an earlier one
                 # still runs in another lane (its result waits its turn to be yielded).
-                while (not exhausted and len(pending) < 2 * lanes
-                       and sum(not f.done() for f in pending) < lanes):
+                while (
+                    not exhausted
+                    and len(pending) < 2 * lanes
+                    and sum(not f.done() for f in pending) < lanes
+                ):
                     item = next(source, _END)
                     if item is _END:
                         exhausted = True
@@ -129,11 +136,17 @@ def in_lanes(fn: Callable[[T], U], items: Iterable[T], lanes: int) -> Iterator[U
                 f.cancel()
 
 
-def encode_files(paths: Sequence[str | Path], encode: Callable[[torch.Tensor], torch.Tensor],
-                 input_size: int, batch_size: int = DEFAULT_BATCH_SIZE, workers: int | None = None,
-                 device: torch.device | str = "cpu", progress: Progress | None = None,
-                 lanes: int | None = None,
-                 jpeg_on_device: bool = False) -> Iterator[tuple[ImageBatch, Any]]:
+def encode_files(
+    paths: Sequence[str | Path],
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    input_size: int,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    workers: int | None = None,
+    device: torch.device | str = "cpu",
+    progress: Progress | None = None,
+    lanes: int | None = None,
+    jpeg_on_device: bool = False,
+) -> Iterator[tuple[ImageBatch, Any]]:
     """(batch, ``encode``'s output for its decoded images or None) for consecutive inputs, in
     input order; images are decoded by ``workers`` processes (default ``default_workers``;
     0: in this process) while ``lanes`` batches (default ``default_lanes``) are encoded at
@@ -156,11 +169,16 @@ def encode_files(paths: Sequence[str | Path], encode: Callable[[torch.Tensor], t
             progress(len(batch.items))
 
 
-def caption_files(captioner: Captioner, paths: Sequence[str | Path],
-                  batch_size: int = DEFAULT_BATCH_SIZE, workers: int | None = None,
-                  progress: Progress | None = None,
-                  lanes: int | None = None, jpeg_on_device: bool = False,
-                  **decoding: Any) -> Iterator[Record]:
+def caption_files(
+    captioner: Captioner,
+    paths: Sequence[str | Path],
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    workers: int | None = None,
+    progress: Progress | None = None,
+    lanes: int | None = None,
+    jpeg_on_device: bool = False,
+    **decoding: Any,
+) -> Iterator[Record]:
     """Caption image files; yields one Record per path, in input order, as batches finish.
 
     Encoding and decoding are batched (greedy for beam 1, batched beam search otherwise), with
@@ -173,9 +191,17 @@ def caption_files(captioner: Captioner, paths: Sequence[str | Path],
     def caption(images: torch.Tensor) -> list[CaptionResult]:
         return captioner.caption_annotations(captioner.encode(images), **decoding)
 
-    for batch, results in encode_files(paths, caption, captioner.input_size, batch_size,
-                                       workers, captioner.device, progress, lanes,
-                                       jpeg_on_device):
+    for batch, results in encode_files(
+        paths,
+        caption,
+        captioner.input_size,
+        batch_size,
+        workers,
+        captioner.device,
+        progress,
+        lanes,
+        jpeg_on_device,
+    ):
         it = iter(results or [])
         for item in batch.items:
             if item.error is not None:

@@ -39,8 +39,15 @@ class Progress:
     the bar; False shows nothing (e.g. when the results themselves go to the terminal).
     """
 
-    def __init__(self, total: int | None, label: str, unit: str = "img",
-                 enabled: bool | None = None, every_s: float = 60.0, done: int = 0):
+    def __init__(
+        self,
+        total: int | None,
+        label: str,
+        unit: str = "img",
+        enabled: bool | None = None,
+        every_s: float = 60.0,
+        done: int = 0,
+    ):
         self.total, self.label, self.unit, self.every_s = total, label, unit, every_s
         self.bar = sys.stderr.isatty() if enabled is None else enabled
         self.lines = enabled is None and not self.bar
@@ -51,10 +58,18 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.bar:
-            columns = ((DownloadColumn(), TransferSpeedColumn()) if self.unit == "B"
-                       else (MofNCompleteColumn(), _ImagesPerSecond()))
-            self._rich = _RichProgress(TextColumn(self.label), BarColumn(), *columns,
-                                       TimeRemainingColumn(), transient=False)
+            columns = (
+                (DownloadColumn(), TransferSpeedColumn())
+                if self.unit == "B"
+                else (MofNCompleteColumn(), _ImagesPerSecond())
+            )
+            self._rich = _RichProgress(
+                TextColumn(self.label),
+                BarColumn(),
+                *columns,
+                TimeRemainingColumn(),
+                transient=False,
+            )
             self._rich.start()
             self._task = self._rich.add_task(self.label, total=self.total, completed=self.done)
         return self

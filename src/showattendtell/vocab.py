@@ -15,8 +15,30 @@ SPECIALS = ("<pad>", "<start>", "<end>", "<unk>")
 
 # The punctuation tokens the COCO caption toolkit (pycocoevalcap's PTBTokenizer) removes.
 PUNCTUATION = {
-    "''", "'", "``", "`", "-lrb-", "-rrb-", "-lcb-", "-rcb-", "(", ")", "{", "}", "[", "]",
-    ".", "?", "!", ",", ":", "-", "--", "...", ";", '"',
+    "''",
+    "'",
+    "``",
+    "`",
+    "-lrb-",
+    "-rrb-",
+    "-lcb-",
+    "-rcb-",
+    "(",
+    ")",
+    "{",
+    "}",
+    "[",
+    "]",
+    ".",
+    "?",
+    "!",
+    ",",
+    ":",
+    "-",
+    "--",
+    "...",
+    ";",
+    '"',
 }
 
 
@@ -59,8 +81,10 @@ class Vocabulary:
     def build(cls, captions: Iterable[str], min_count: int = 5) -> Vocabulary:
         """Words seen at least ``min_count`` times, most frequent first (ties alphabetical)."""
         counts = Counter(tok for c in captions for tok in tokenize(c))
-        words = sorted((w for w, n in counts.items() if n >= min_count and w not in SPECIALS),
-                       key=lambda w: (-counts[w], w))
+        words = sorted(
+            (w for w, n in counts.items() if n >= min_count and w not in SPECIALS),
+            key=lambda w: (-counts[w], w),
+        )
         return cls([*SPECIALS, *words])
 
     def encode(self, caption: str) -> list[int]:

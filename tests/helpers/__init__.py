@@ -24,8 +24,9 @@ def make_batch(B=4, T=7, L=9, D=12, V=30, seed=0):
 
 def small_decoder(V=30, D=12, attention="soft", seed=0, attend="before"):
     torch.manual_seed(seed)
-    cfg = DecoderConfig(attention=attention, embed_dim=8, hidden_dim=10, attention_dim=6,
-                        dropout=0.0, attend=attend)
+    cfg = DecoderConfig(
+        attention=attention, embed_dim=8, hidden_dim=10, attention_dim=6, dropout=0.0, attend=attend
+    )
     return Decoder(V, D, cfg)
 
 

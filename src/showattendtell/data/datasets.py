@@ -80,15 +80,23 @@ def _finish(name: str, candidates: list[CaptionedImage], where: Path) -> Split:
     if missing:
         log.warning(
             "%s: skipped %d of %d annotated images (%d captions) whose files are not in %s",
-            name, len(missing), len(candidates), n_caps, where,
+            name,
+            len(missing),
+            len(candidates),
+            n_caps,
+            where,
         )
     return Split(name, present, [im.path for im in missing], Path(where), n_caps)
 
 
 # -- Flickr8k, original release ---------------------------------------------------------------
 
-FLICKR8K_SPLITS = {"train": "trainImages", "dev": "devImages", "val": "devImages",
-                   "test": "testImages"}
+FLICKR8K_SPLITS = {
+    "train": "trainImages",
+    "dev": "devImages",
+    "val": "devImages",
+    "test": "testImages",
+}
 
 
 def _find_flickr_images(root: Path) -> Path:
@@ -122,8 +130,14 @@ def load_flickr8k(root: str | Path, split: str) -> Split:
 
 # -- Karpathy's dataset_{flickr8k,flickr30k,coco}.json ------------------------------------------
 
-KARPATHY_SPLITS = {"train": ("train",), "train+restval": ("train", "restval"),
-                   "restval": ("restval",), "val": ("val",), "dev": ("val",), "test": ("test",)}
+KARPATHY_SPLITS = {
+    "train": ("train",),
+    "train+restval": ("train", "restval"),
+    "restval": ("restval",),
+    "val": ("val",),
+    "dev": ("val",),
+    "test": ("test",),
+}
 
 
 def _find_karpathy_json(root: Path) -> Path | None:
@@ -141,8 +155,12 @@ def _find_karpathy_json(root: Path) -> Path | None:
     return found[0] if found else None
 
 
-def load_karpathy(root: str | Path, split: str, json_file: str | Path | None = None,
-                  image_dir: str | Path | None = None) -> Split:
+def load_karpathy(
+    root: str | Path,
+    split: str,
+    json_file: str | Path | None = None,
+    image_dir: str | Path | None = None,
+) -> Split:
     """Karpathy's split files: ``images[*].{filepath?, filename, split, sentences[*].raw}``."""
     root = Path(root)
     json_path = Path(json_file) if json_file else _find_karpathy_json(root)
@@ -164,13 +182,21 @@ def load_karpathy(root: str | Path, split: str, json_file: str | Path | None = N
     return _finish(f"{json_path.name}/{split}", items, base)
 
 
-_FLICKR_IMAGE_DIRS = ("Flicker8k_Dataset", "Flickr8k_Dataset", "flickr30k-images",
-                      "flickr30k_images")
+_FLICKR_IMAGE_DIRS = (
+    "Flicker8k_Dataset",
+    "Flickr8k_Dataset",
+    "flickr30k-images",
+    "flickr30k_images",
+)
 
 
 def _karpathy_image_path(base: Path, im: dict) -> Path:
-    candidates = [base / im.get("filepath", "") / im["filename"], base / "images" / im["filename"],
-                  base / im["filename"], *(base / d / im["filename"] for d in _FLICKR_IMAGE_DIRS)]
+    candidates = [
+        base / im.get("filepath", "") / im["filename"],
+        base / "images" / im["filename"],
+        base / im["filename"],
+        *(base / d / im["filename"] for d in _FLICKR_IMAGE_DIRS),
+    ]
     if "filepath" in im:
         candidates.insert(1, base / "images" / im["filepath"] / im["filename"])
     if "cocoid" in im:  # dataset_coco.json names 2014 files; the 2017 folders hold the same photos
@@ -196,9 +222,14 @@ def load_coco(root: str | Path, split: str) -> Split:
     """COCO captions. With Karpathy's ``dataset_coco.json`` in root, its train/restval/val/test
     split; otherwise the official train/val files read with pycocotools."""
     root = Path(root)
-    karpathy = next((f for f in (root / "dataset_coco.json",
-                                 root / "caption_datasets" / "dataset_coco.json") if f.is_file()),
-                    None)
+    karpathy = next(
+        (
+            f
+            for f in (root / "dataset_coco.json", root / "caption_datasets" / "dataset_coco.json")
+            if f.is_file()
+        ),
+        None,
+    )
     if karpathy is not None:
         return load_karpathy(root, split, karpathy)
     if split not in ("train", "val"):
@@ -212,8 +243,11 @@ def load_coco(root: str | Path, split: str) -> Split:
     coco = _quiet_coco(COCO, ann_file)
     year = ann_file.stem[-4:]
     image_dir = next(
-        (d for d in (root / f"{split}{year}", root / "images" / f"{split}{year}", root / "images")
-         if d.is_dir()),
+        (
+            d
+            for d in (root / f"{split}{year}", root / "images" / f"{split}{year}", root / "images")
+            if d.is_dir()
+        ),
         root / f"{split}{year}",
     )
     items = []

@@ -86,8 +86,13 @@ class FeatureCache:
     def for_config(cls, cache_root: str | Path, config: EncoderConfig) -> FeatureCache:
         d = cache_dir_for(cache_root, config)
         d.mkdir(parents=True, exist_ok=True)
-        meta = {"encoder": asdict(config), "fingerprint": config.fingerprint(),
-                "grid": config.grid, "feature_dim": config.feature_dim, "dtype": "float16"}
+        meta = {
+            "encoder": asdict(config),
+            "fingerprint": config.fingerprint(),
+            "grid": config.grid,
+            "feature_dim": config.feature_dim,
+            "dtype": "float16",
+        }
         meta_file = d / "meta.json"
         if meta_file.is_file():
             old = json.loads(meta_file.read_text())
@@ -123,8 +128,11 @@ class FeatureCache:
 
     def missing(self, images: Sequence[CaptionedImage]) -> list[CaptionedImage]:
         """The images (each once) with neither cached features nor a recorded failure."""
-        todo = {im.image_id: im for im in images
-                if im.image_id not in self.index and im.image_id not in self.failed}
+        todo = {
+            im.image_id: im
+            for im in images
+            if im.image_id not in self.index and im.image_id not in self.failed
+        }
         return list(todo.values())
 
     def size_bytes(self) -> int:
@@ -154,11 +162,19 @@ class FeatureCache:
         rows: list[np.ndarray] = []
         done = 0
         t0 = time.monotonic()
-        with torch.inference_mode(), Progress(len(todo), "features",
-                                              None if progress else False) as bar:
-            for batch, grids in encode_files([im.path for im in todo], encoder.cached_features,
-                                             encoder.config.input_size, batch_size, num_workers,
-                                             device, bar):
+        with (
+            torch.inference_mode(),
+            Progress(len(todo), "features", None if progress else False) as bar,
+        ):
+            for batch, grids in encode_files(
+                [im.path for im in todo],
+                encoder.cached_features,
+                encoder.config.input_size,
+                batch_size,
+                num_workers,
+                device,
+                bar,
+            ):
                 for i, reason in batch.failures():
                     log.warning("skipping %s: %s", todo[i].image_id, reason)
                     self.failed[todo[i].image_id] = reason
@@ -172,20 +188,27 @@ class FeatureCache:
             done += self._write_shard(keys, rows, len(keys))
         self._write_failed()
         elapsed = time.monotonic() - t0
-        log.info("features: stored %d images in %.0f s (%.1f img/s); cache now %.2f GB", done,
-                 elapsed, len(todo) / max(elapsed, 1e-9), self.size_bytes() / 1e9)
+        log.info(
+            "features: stored %d images in %.0f s (%.1f img/s); cache now %.2f GB",
+            done,
+            elapsed,
+            len(todo) / max(elapsed, 1e-9),
+            self.size_bytes() / 1e9,
+        )
         return done
 
     def _write_failed(self) -> None:
         if self.failed:
-            _atomic_write_text(self.dir / f"failed{self.writer}.json",
-                               json.dumps(self.failed, indent=1))
+            _atomic_write_text(
+                self.dir / f"failed{self.writer}.json", json.dumps(self.failed, indent=1)
+            )
 
     def _next_shard_name(self) -> str:
         """shard-NNNNN (+ this writer's suffix), NNNNN past every shard there is: a shard
         another process renamed in since this cache was opened is seen too."""
-        numbers = [int(f.name[6:11]) for f in self.dir.glob("shard-*.npy")
-                   if f.name[6:11].isdigit()]
+        numbers = [
+            int(f.name[6:11]) for f in self.dir.glob("shard-*.npy") if f.name[6:11].isdigit()
+        ]
         return f"shard-{max(numbers, default=-1) + 1:05d}{self.writer}"
 
     def _write_shard(self, keys: list[str], rows: list[np.ndarray], n: int) -> int:
