@@ -219,3 +219,57 @@ def test_cider_d_tables_are_the_plain_loops(seed):
     grams = [*theirs["ids"], ("zebra",), ("a", "zebra"), ("dog",) * 4, ("runs", "a", "zebra")]
     expected = [theirs["ids"].get(g, -1) for g in grams]
     assert ConsensusIndex._ids(ours, grams).tolist() == expected
+
+
+def test_sat_caption_pauses_the_garbage_collector_only_while_it_starts(tmp_path):
+    """`sat caption` itself: the collector is paused while torch and the model load, on again
+    for the captioning, and what is alive at the end is frozen (the exit then skips a last walk
+    over torch's objects); main([...]) called from Python changes nothing."""
+    photo = tmp_path / "photo.jpg"
+    Image.fromarray(np.full((64, 64, 3), 128, np.uint8)).save(photo)
+    probe = (
+        "import atexit, gc, sys\n"
+        "from showattendtell import inference\n"
+        "from showattendtell.cli import main\n"
+        "seen = []\n"
+        "prepare = inference.Captioner.prepare\n"
+        "def spy(self, **decoding):\n"
+        "    seen.append(gc.isenabled())\n"
+        "    prepare(self, **decoding)\n"
+        "inference.Captioner.prepare = spy\n"
+        "atexit.register(lambda: print('paused', seen, 'enabled', gc.isenabled(),"
+        " 'frozen', gc.get_freeze_count() > 0, file=sys.stderr))\n"
+    )
+    program = probe + f"sys.argv = ['sat', 'caption', {str(photo)!r}]\nsys.exit(main())\n"
+    called = probe + f"sys.exit(main(['caption', {str(photo)!r}]))\n"
+    for code, expected in (
+        (program, "paused [False] enabled True frozen True"),
+        (called, "paused [True] enabled True frozen False"),
+    ):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert '"caption"' in run.stdout
+        assert run.stderr.strip().splitlines()[-1] == expected
+
+
+def test_prepare_builds_the_calibration_and_the_consensus_tables(tmp_path):
+    """Captioner.prepare builds what the first caption would (the tables in a thread, which
+    the first reranking waits for); the captions are the same with and without it."""
+    from showattendtell import familiarity
+    from showattendtell.inference import load_model
+
+    photo = tmp_path / "photo.jpg"
+    rng = np.random.default_rng(3)
+    Image.fromarray(rng.integers(0, 256, (80, 100, 3), dtype=np.uint8)).save(photo)
+    cold = load_model(None, "cpu")
+    warm = load_model(None, "cpu")
+    index = warm.model.consensus
+    assert index is not None and warm.decoding.rerank == "consensus"
+    warm.prepare()
+    assert familiarity.for_index(index)._reference is not None
+    assert index.prepare() is index._tables  # built by the thread, or waited for here
+    a, b = cold.caption([str(photo)])[0], warm.caption([str(photo)])[0]
+    assert (a.caption, a.score, a.familiarity) == (b.caption, b.score, b.familiarity)
+    greedy = load_model(None, "cpu")
+    greedy.prepare(beam_size=1)  # no reranking: no tables
+    assert greedy.model.consensus._tables is None

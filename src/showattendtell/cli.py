@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from showattendtell.cli_common import pause_gc
 from showattendtell.commands import caption, data, evaluate, export, models
 from showattendtell.errors import Terminated, UserError
 from showattendtell.service import serve
@@ -69,7 +70,10 @@ def _log_package_to_stderr() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None  # `sat` itself, not a test or a script calling main([...])
     argv = sys.argv[1:] if argv is None else argv
+    if program and argv[:1] == ["caption"]:
+        pause_gc()  # until the model is ready (commands/caption.py)
     try:
         # train and features hand their arguments to LightningCLI (YAML configs, dotted overrides)
         if argv and argv[0] in ("train", "features"):

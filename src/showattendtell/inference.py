@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,20 @@ class Captioner:
         cfg = self.decoding.with_overrides(**decoding)
         self.model.check_decoding(cfg)
         return cfg
+
+    def prepare(self, **decoding) -> None:
+        """Start building now what the first caption would otherwise build, once per model: the
+        familiarity calibration, here with all of torch's threads (the first caption's lane has
+        only its share of them), and, when these decoding options rerank by consensus, the
+        consensus tables, in a thread of their own (numpy, one core) while the calibration and
+        the first batch run; the first reranking waits for them if it comes sooner."""
+        index = self.model.consensus
+        if index is None:
+            return
+        cfg = self.check_decoding(**decoding)
+        if cfg.rerank == "consensus" and cfg.beam_size > 1:
+            threading.Thread(target=index.prepare, name="sat-consensus", daemon=True).start()
+        familiarity.for_index(index).reference()
 
     @torch.inference_mode()
     def caption_annotations(self, annotations: torch.Tensor, **decoding) -> list[CaptionResult]:

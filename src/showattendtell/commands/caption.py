@@ -39,6 +39,7 @@ from showattendtell.cli_common import (
     add_device_args,
     add_model_arg,
     decoding_overrides,
+    resume_gc,
 )
 from showattendtell.errors import Terminated, UsageError, UserError, raise_terminated
 from showattendtell.settings import DEFAULT_BATCH_SIZE
@@ -455,6 +456,8 @@ def _caption(
             "--decode-on gpu needs a CUDA GPU (--device cuda); without one, leave it out"
         )
 
+    captioner.prepare(**decoding)  # with all the threads, before the lanes share them
+    resume_gc()  # paused by `sat caption` while torch and the model loaded (cli.main)
     stream = None
     if procs.rank == 0 and args.output:
         stream = open_output(Path(args.output), resume if args.resume else None)
