@@ -29,13 +29,23 @@ between scales: a stage is linear when its time per item at full scale is at mos
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch and the library load in the child process only
+    from showattendtell.data.datamodule import CaptionPairs
+    from showattendtell.data.datasets import CaptionedImage
+    from showattendtell.data.feature_cache import FeatureCache
+    from showattendtell.encoder import EncoderConfig
+    from showattendtell.vocab import Vocabulary
 
 COCO_IMAGES = 123_287  # Karpathy's train + restval + val + test
 CAPTIONS_PER_IMAGE = 5  # 616,767 at COCO's 5.003 per image; 5 here
@@ -103,35 +113,134 @@ def build_dataset(root: Path, images: int, captions: list[str], seed: int = 0) -
     return {"val": n_val}
 
 
-def run_scale(fraction: float) -> dict:
+class Stages:
+    """Each stage's seconds and the number of items it handled: the scales are compared on time
+    per item, so a stage's time is never recorded without its item count."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.items: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def timed(self, name: str, n: int) -> Iterator[None]:
+        """Time the block as stage ``name`` over ``n`` items."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(time.perf_counter() - t0, 3)
+            self.items[name] = n
+
+
+def time_cache(
+    root: Path, enc: EncoderConfig, everything: list[CaptionedImage], stages: Stages
+) -> FeatureCache:
+    """Write, index and read back the feature cache of every image: the cache is what training
+    reads, so its cost per image must not grow with the number of images."""
     import numpy as np
+
+    from showattendtell.data.feature_cache import FeatureCache
+
+    # the smallest real annotation vectors (VGG's 512-d), on a 2x2 grid: 4 KB per image,
+    # 0.5 GB at full scale (a real 14x14x512 cache is 25 GB)
+    grid_len, feat_dim = 4, enc.feature_dim
+    cache = FeatureCache.for_config(root / "cache", enc)
+    with stages.timed("cache_write", len(everything)):
+        grids = (
+            np.random.default_rng(0).standard_normal((1024, grid_len, feat_dim)).astype(np.float16)
+        )
+        for start in range(0, len(everything), 1024):
+            keys = [im.image_id for im in everything[start : start + 1024]]
+            # the shard writer extract() uses, fed synthetic grids (no encoder runs here)
+            cache._write_shard(keys, [grids[: len(keys)]], len(keys))
+    with stages.timed("cache_index", len(everything)):
+        cache = FeatureCache(cache.dir)
+    probe = np.random.default_rng(1).permutation(len(everything))[: len(everything) // 10]
+    with stages.timed("cache_read", len(probe)):
+        for k in probe:
+            cache[everything[k].image_id]
+    return cache
+
+
+def time_training(
+    pairs: CaptionPairs, vocab: Vocabulary, enc: EncoderConfig, stages: Stages
+) -> None:
+    """Time training steps over every pair, with the model at COCO's vocabulary size whatever
+    the scale, so that a step's cost differs between scales only through the data path."""
     import torch
 
-    from showattendtell.data.datamodule import CaptionPairs, _Source, collate_captions
-    from showattendtell.data.datasets import load_karpathy
-    from showattendtell.data.feature_cache import FeatureCache
+    from showattendtell.data.datamodule import collate_captions
     from showattendtell.decoder import DecoderConfig
-    from showattendtell.encoder import EncoderConfig
-    from showattendtell.metrics import CiderDReward, score_captions
     from showattendtell.model import CaptionModel
     from showattendtell.objectives import MaximumLikelihood
-    from showattendtell.vocab import Vocabulary, tokenize
+    from showattendtell.vocab import Vocabulary
+
+    # The model's output layer has COCO's usual vocabulary size at both scales (padded with
+    # unused words): a 1/10 sample has fewer words with 5 occurrences, and a smaller output
+    # layer would make its steps faster for a reason that is not the data path.
+    torch.manual_seed(0)
+    padded = Vocabulary(
+        [*vocab.itos, *(f"<unused{i}>" for i in range(max(0, COCO_VOCABULARY - len(vocab))))]
+    )
+    model = CaptionModel(
+        padded, enc, DecoderConfig("soft", 32, 64, 32, 0.0), load_encoder_weights=False
+    )
+    opt = torch.optim.Adam(model.decoder.parameters(), lr=1e-3)
+    objective = MaximumLikelihood(1.0)
+    loader = torch.utils.data.DataLoader(
+        pairs, batch_size=64, shuffle=True, collate_fn=collate_captions, num_workers=0
+    )
+    batches = iter(loader)
+
+    def run_steps(steps: int) -> None:
+        nonlocal batches
+        for _ in range(steps):
+            batch = next(batches, None)
+            if batch is None:  # a small scale has fewer batches than steps: a new epoch
+                batches = iter(loader)
+                batch = next(batches)
+            loss, _ = objective(model, batch["inputs"], batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    # the first steps open the memory-mapped shards they touch (one-off, O(shards)); the
+    # steps after them are what an epoch is made of
+    with stages.timed("train_first_steps", WARMUP_STEPS):
+        run_steps(WARMUP_STEPS)
+    with stages.timed("train_steps", TRAIN_STEPS):
+        run_steps(TRAIN_STEPS)
+
+
+def time_scoring(train: list[CaptionedImage], val: list[CaptionedImage], stages: Stages) -> None:
+    """Time what reads every reference: validation scoring and the self-critical reward's
+    document frequencies, both built over all captions at once."""
+    from showattendtell.metrics import CiderDReward, score_captions
+    from showattendtell.vocab import tokenize
+
+    refs = {im.image_id: im.captions for im in val}
+    preds = {k: v[0] for k, v in refs.items()}  # a reference as the "caption"
+    with stages.timed("val_scoring", len(refs)):
+        score_captions(preds, {k: v[1:] for k, v in refs.items()}, official=False)
+
+    with stages.timed("cider_df", len(train)):
+        CiderDReward([[" ".join(tokenize(c)) for c in im.captions] for im in train])
+
+
+def run_scale(fraction: float) -> dict:
+    """Build a dataset of ``fraction`` of COCO's size in a temporary folder and time every
+    stage of the data and training path on it (in this process, so the peak RSS is this
+    scale's own)."""
+    import torch
+
+    from showattendtell.data.datamodule import CaptionPairs, _Source
+    from showattendtell.data.datasets import load_karpathy
+    from showattendtell.encoder import EncoderConfig
+    from showattendtell.vocab import Vocabulary
 
     torch.set_num_threads(1)
     images = max(100, round(COCO_IMAGES * fraction))
-    stages: dict[str, float] = {}
-    items: dict[str, int] = {}
-
-    def timed(name: str, n: int):
-        class _T:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                stages[name] = round(time.perf_counter() - self.t0, 3)
-                items[name] = n
-
-        return _T()
+    stages = Stages()
 
     with tempfile.TemporaryDirectory(prefix="coco_scale_") as tmp:
         root = Path(tmp)
@@ -139,85 +248,24 @@ def run_scale(fraction: float) -> dict:
         sizes = build_dataset(root, images, real_captions())
         setup_s = time.perf_counter() - t0
 
-        with timed("index", images):
+        with stages.timed("index", images):
             train = load_karpathy(root, "train+restval").images
             val = load_karpathy(root, "val").images
         train_captions = [c for im in train for c in im.captions]
         n_caps = images * CAPTIONS_PER_IMAGE
 
-        with timed("vocab", len(train_captions)):
+        with stages.timed("vocab", len(train_captions)):
             vocab = Vocabulary.build(train_captions, min_count=5)
 
-        # the smallest real annotation vectors (VGG's 512-d), on a 2x2 grid: 4 KB per image,
-        # 0.5 GB at full scale (a real 14x14x512 cache is 25 GB)
         enc = EncoderConfig(backbone="vgg16", weights=None, input_size=32, grid_size=2)
-        grid_len, feat_dim = 4, enc.feature_dim
-        cache = FeatureCache.for_config(root / "cache", enc)
-        everything = train + val
-        with timed("cache_write", len(everything)):
-            grids = (
-                np.random.default_rng(0)
-                .standard_normal((1024, grid_len, feat_dim))
-                .astype(np.float16)
-            )
-            for start in range(0, len(everything), 1024):
-                keys = [im.image_id for im in everything[start : start + 1024]]
-                # the shard writer extract() uses, fed synthetic grids (no encoder runs here)
-                cache._write_shard(keys, [grids[: len(keys)]], len(keys))
-        with timed("cache_index", len(everything)):
-            cache = FeatureCache(cache.dir)
-        probe = np.random.default_rng(1).permutation(len(everything))[: len(everything) // 10]
-        with timed("cache_read", len(probe)):
-            for k in probe:
-                cache[everything[k].image_id]
+        cache = time_cache(root, enc, train + val, stages)
 
         source = _Source(cache, enc.input_size)
-        with timed("pairs", len(train_captions)):
+        with stages.timed("pairs", len(train_captions)):
             pairs = CaptionPairs(train, vocab, source, max_length=30)
 
-        # The model's output layer has COCO's usual vocabulary size at both scales (padded with
-        # unused words): a 1/10 sample has fewer words with 5 occurrences, and a smaller output
-        # layer would make its steps faster for a reason that is not the data path.
-        torch.manual_seed(0)
-        padded = Vocabulary(
-            [*vocab.itos, *(f"<unused{i}>" for i in range(max(0, COCO_VOCABULARY - len(vocab))))]
-        )
-        model = CaptionModel(
-            padded, enc, DecoderConfig("soft", 32, 64, 32, 0.0), load_encoder_weights=False
-        )
-        opt = torch.optim.Adam(model.decoder.parameters(), lr=1e-3)
-        objective = MaximumLikelihood(1.0)
-        loader = torch.utils.data.DataLoader(
-            pairs, batch_size=64, shuffle=True, collate_fn=collate_captions, num_workers=0
-        )
-        batches = iter(loader)
-
-        def run_steps(steps: int) -> None:
-            nonlocal batches
-            for _ in range(steps):
-                batch = next(batches, None)
-                if batch is None:  # a small scale has fewer batches than steps: a new epoch
-                    batches = iter(loader)
-                    batch = next(batches)
-                loss, _ = objective(model, batch["inputs"], batch)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-
-        # the first steps open the memory-mapped shards they touch (one-off, O(shards)); the
-        # steps after them are what an epoch is made of
-        with timed("train_first_steps", WARMUP_STEPS):
-            run_steps(WARMUP_STEPS)
-        with timed("train_steps", TRAIN_STEPS):
-            run_steps(TRAIN_STEPS)
-
-        refs = {im.image_id: im.captions for im in val}
-        preds = {k: v[0] for k, v in refs.items()}  # a reference as the "caption"
-        with timed("val_scoring", len(refs)):
-            score_captions(preds, {k: v[1:] for k, v in refs.items()}, official=False)
-
-        with timed("cider_df", len(train)):
-            CiderDReward([[" ".join(tokenize(c)) for c in im.captions] for im in train])
+        time_training(pairs, vocab, enc, stages)
+        time_scoring(train, val, stages)
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
@@ -229,8 +277,8 @@ def run_scale(fraction: float) -> dict:
         "vocabulary": len(vocab),
         "setup_s": round(setup_s, 1),
         "peak_rss_mb": round(peak, 1),
-        "stages": stages,
-        "items": items,
+        "stages": stages.seconds,
+        "items": stages.items,
     }
 
 
