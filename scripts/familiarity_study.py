@@ -277,7 +277,9 @@ def words_against_objects(
 # --------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The study's options; a parser of its own so that main can report a model without a
+    consensus index as a usage error."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -301,20 +303,21 @@ def main() -> None:
     p.add_argument("--bad", type=float, default=0.3, help="per-image CIDEr below this is bad")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default="auto")
-    args = p.parse_args()
+    return p
 
-    captioner = load_model(args.model, args.device)
-    index = captioner.model.consensus
-    if index is None:
-        p.error("the model has no consensus index: familiarity needs one")
-    print(f"model {captioner.name}, decoding {captioner.decoding.to_dict()}")
+
+def evaluation_sets(
+    captioner: Captioner,
+    args: argparse.Namespace,
+    dev: list[CaptionedImage],
+    coco: list[CaptionedImage],
+) -> dict[str, dict]:
+    """Each evaluation set's captions, log-probabilities, pooled grids and per-image CIDEr,
+    and "all": the sets pooled. The cache files are named by the model and its decoding, so a
+    change of either captions again instead of reading another model's captions."""
     settings = json.dumps(captioner.decoding.to_dict(), sort_keys=True).encode()
     tag = f"{captioner.name}-{hashlib.sha1(settings).hexdigest()[:8]}"
-
     sets: dict[str, dict] = {}
-    dev = load_split("flickr8k", args.flickr8k, "dev").images[: args.dev_photos]
-    coco_roots = [(Path(s.rsplit(":", 1)[0]), s.rsplit(":", 1)[1]) for s in args.coco]
-    coco = [im for root, split in coco_roots for im in load_split("coco", root, split).images]
     for name, images in (("COCO", coco), ("flickr8k dev", dev)):
         if not images:
             continue
@@ -327,16 +330,18 @@ def main() -> None:
         k: np.concatenate([s[k] for s in sets.values()])
         for k in ("cider", "log_prob_per_word", "pooled", "familiarity")
     }
+    return sets
 
-    print(f"\nper-image CIDEr (pycocoevalcap, x1; idf of each set); bad: < {args.bad}")
-    for name, s in sets.items():
-        print(
-            f"  {name:13s} photos {len(s['cider']):5d}  mean CIDEr {s['cider'].mean():.3f}  "
-            f"bad {np.mean(s['cider'] < args.bad):.1%}"
-        )
 
-    # AUROC for "bad" of each predictor
-    print(f"\nAUROC for a bad caption (per-image CIDEr < {args.bad}); 0.5 is chance")
+def report_auroc(
+    sets: dict[str, dict], index: ConsensusIndex, bad: float
+) -> tuple[dict[int, dict[str, np.ndarray]], dict[str, np.ndarray], Familiarity]:
+    """Print each predictor's AUROC for a bad caption and the coefficients the pooled
+    regression fits (what familiarity.COEFFICIENTS holds). Adds each set's "similarity" and
+    "typicality" at familiarity.NEIGHBOURS; returns familiarity at every k, the shipped
+    warning's P(bad) per set and the scorer at familiarity.NEIGHBOURS, which the later
+    reports read."""
+    print(f"\nAUROC for a bad caption (per-image CIDEr < {bad}); 0.5 is chance")
     header = f"  {'predictor':50s}" + "".join(f"{n:>14s}" for n in sets)
     print(header)
     scorers = {k: Familiarity(index, neighbours=k) for k in KS}
@@ -355,7 +360,7 @@ def main() -> None:
     # the warning's logistic regression, on all photos pooled; scored per set by 5-fold CV
     pooled = sets["all"]
     x = np.stack([pooled["typicality"], pooled["log_prob_per_word"]], 1)
-    y = (pooled["cider"] < args.bad).astype(float)
+    y = (pooled["cider"] < bad).astype(float)
     fitted = fit_logistic(x, y)
     cv = cross_validated_risk(x, y)
     edges = np.cumsum([0] + [len(s["cider"]) for n, s in sets.items() if n != "all"])
@@ -367,7 +372,7 @@ def main() -> None:
     for label, risks in rows.items():
         print(
             f"  {label:50s}"
-            + "".join(f"{auroc(s['cider'] < args.bad, risks[n]):14.3f}" for n, s in sets.items())
+            + "".join(f"{auroc(s['cider'] < bad, risks[n]):14.3f}" for n, s in sets.items())
         )
     lp_dev = np.median(sets["flickr8k dev"]["log_prob_per_word"]) if "flickr8k dev" in sets else 0
     print(
@@ -376,7 +381,19 @@ def main() -> None:
         f"{familiarity.COEFFICIENTS}; dev median log-probability per word {lp_dev:.2f} "
         f"(shipped TYPICAL_LOG_PROB {familiarity.TYPICAL_LOG_PROB})"
     )
+    return fam, shipped, scorer
 
+
+def report_warning(
+    sets: dict[str, dict],
+    fam: dict[int, dict[str, np.ndarray]],
+    shipped: dict[str, np.ndarray],
+    scorer: Familiarity,
+    bad: float,
+) -> None:
+    """Print what the shipped warning does at each threshold on P(bad), against the baseline
+    and familiarity alone warning as many photos: how familiarity.RISK_THRESHOLD was chosen."""
+    k0 = familiarity.NEIGHBOURS
     print(
         "\nthe warning (shipped COEFFICIENTS) at thresholds on P(bad): share warned, mean "
         "per-image CIDEr warned / not warned, share of warned captions that are bad"
@@ -385,7 +402,7 @@ def main() -> None:
         mark = "  <- familiarity.RISK_THRESHOLD" if t == familiarity.RISK_THRESHOLD else ""
         print(
             f"  > {t:<5}  "
-            + _warned_cells(sets, {n: r > t for n, r in shipped.items()}, args.bad)
+            + _warned_cells(sets, {n: r > t for n, r in shipped.items()}, bad)
             + mark
         )
     t = familiarity.RISK_THRESHOLD
@@ -399,10 +416,10 @@ def main() -> None:
         for n, s in sets.items():
             same[n] = np.zeros(len(s["cider"]), bool)
             same[n][np.argsort(-risk(s), kind="stable")[: int(warned[n].sum())]] = True
-        print(f"    {label}: " + _warned_cells(sets, same, args.bad))
+        print(f"    {label}: " + _warned_cells(sets, same, bad))
     print(
         f"  familiarity alone under {familiarity.UNFAMILIAR}: "
-        + _warned_cells(sets, {n: fam[k0][n] < familiarity.UNFAMILIAR for n in sets}, args.bad)
+        + _warned_cells(sets, {n: fam[k0][n] < familiarity.UNFAMILIAR for n in sets}, bad)
     )
     why = Counter(
         scorer.warning(float(f), float(r), float(lp))
@@ -415,6 +432,17 @@ def main() -> None:
         + "; ".join(f"{n} x {w!r}" for w, n in why.most_common() if w is not None)
     )
 
+
+def report_calibration(
+    sets: dict[str, dict],
+    fam: dict[int, dict[str, np.ndarray]],
+    coco: list[CaptionedImage],
+    coco_roots: list[tuple[Path, str]],
+) -> None:
+    """Print how uniform the dev photos' familiarity is (it is a rank among the training
+    photos, and dev photos are drawn like them, so it should be), and, on COCO, the caption
+    words against the objects the photos hold."""
+    k0 = familiarity.NEIGHBOURS
     print("\ncalibration: the dev photos' familiarity should be about uniform on [0, 1]")
     d = fam[k0]["flickr8k dev"]
     print(
@@ -429,6 +457,35 @@ def main() -> None:
         ids = [str(im.coco_id if im.coco_id is not None else im.image_id) for im in coco]
         for line in words_against_objects(ids, sets["COCO"]["captions"].tolist(), held):
             print(line)
+
+
+def main() -> None:
+    """Caption the evaluation sets (or read their captions from the cache), then print the
+    study's reports in turn, each reading what the ones before it computed."""
+    p = _parser()
+    args = p.parse_args()
+
+    captioner = load_model(args.model, args.device)
+    index = captioner.model.consensus
+    if index is None:
+        p.error("the model has no consensus index: familiarity needs one")
+    print(f"model {captioner.name}, decoding {captioner.decoding.to_dict()}")
+
+    dev = load_split("flickr8k", args.flickr8k, "dev").images[: args.dev_photos]
+    coco_roots = [(Path(s.rsplit(":", 1)[0]), s.rsplit(":", 1)[1]) for s in args.coco]
+    coco = [im for root, split in coco_roots for im in load_split("coco", root, split).images]
+    sets = evaluation_sets(captioner, args, dev, coco)
+
+    print(f"\nper-image CIDEr (pycocoevalcap, x1; idf of each set); bad: < {args.bad}")
+    for name, s in sets.items():
+        print(
+            f"  {name:13s} photos {len(s['cider']):5d}  mean CIDEr {s['cider'].mean():.3f}  "
+            f"bad {np.mean(s['cider'] < args.bad):.1%}"
+        )
+
+    fam, shipped, scorer = report_auroc(sets, index, args.bad)
+    report_warning(sets, fam, shipped, scorer, args.bad)
+    report_calibration(sets, fam, coco, coco_roots)
 
 
 if __name__ == "__main__":
