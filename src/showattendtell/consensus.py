@@ -70,6 +70,47 @@ def _gram_key(head: np.ndarray, tail: np.ndarray | int, pairs: int) -> np.ndarra
     return head * (pairs + 1) + tail
 
 
+def _keyed_grams(
+    captions: list[list[str]], sizes: np.ndarray
+) -> tuple[dict[str, int], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every n-gram of every caption as one integer key (``_gram_key``), with its caption and
+    its n - 1, laid out caption by caption, n by n, left to right: the order a loop over
+    ``ngram_counts`` sees them in, which the tables' numbering depends on. Also the word
+    numbers (``vocab``) and the sorted word pairs (``pairs``) that ``_ids`` looks n-grams up
+    with later. ``sizes``: each caption's number of words."""
+    flat = list(chain.from_iterable(captions))
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(flat), 1)}  # word -> 1, 2, ...
+    words = np.fromiter(map(vocab.__getitem__, flat), np.int64, len(flat))
+    base = len(vocab) + 1
+    ends = np.cumsum(sizes)
+    caption_of = np.repeat(np.arange(len(captions)), sizes)  # (W,) each word's caption
+    following = np.append(words[1:], 0)  # the next word of the same caption, else 0
+    following[ends[sizes > 0] - 1] = 0
+    pairs = _unique(np.concatenate([words * base + following, words * base]))
+    pair = np.searchsorted(pairs, words * base + following)  # (w_i, w_i+1 or 0)
+    single = np.searchsorted(pairs, words * base)  # (w_i, 0)
+    left = ends[caption_of] - np.arange(len(words))  # words from each one to its end
+    heads, tails = (single, pair, pair, pair), (None, None, single, pair)
+    # the n-grams caption by caption, n by n, left to right (the order ngram_counts sees
+    # them in): caption c's n-grams start after those of the captions before it and, in
+    # it, after its shorter ones
+    per_order = np.maximum(sizes[:, None] - np.arange(ORDERS)[None], 0)  # (R, 4)
+    within = np.cumsum(per_order, 1) - per_order  # (R, 4) where each order starts
+    offset = np.cumsum(per_order.sum(1)) - per_order.sum(1)  # (R,) where each caption does
+    begins = ends - sizes
+    cap = np.empty(int(per_order.sum()), np.int64)
+    key = np.empty_like(cap)
+    gram_order = np.empty_like(cap)
+    for n in range(1, ORDERS + 1):
+        at = np.flatnonzero(left >= n)  # where the caption's n-grams start
+        owner = caption_of[at]
+        dest = offset[owner] + within[owner, n - 1] + at - begins[owner]
+        tail = 0 if tails[n - 1] is None else tails[n - 1][at + 2] + 1
+        cap[dest], gram_order[dest] = owner, n - 1
+        key[dest] = _gram_key(heads[n - 1][at], tail, len(pairs))
+    return vocab, pairs, cap, key, gram_order
+
+
 class ConsensusIndex:
     """Pooled grids and captions of training photos, and the CIDEr-D tables built from them.
 
@@ -111,36 +152,7 @@ class ConsensusIndex:
         ``ngram_counts`` (first seen, first numbered), so the sums come out the same."""
         captions = list(map(str.split, chain.from_iterable(self.references)))
         sizes = np.fromiter(map(len, captions), np.int64, len(captions))  # (R,) words
-        flat = list(chain.from_iterable(captions))
-        vocab = {w: i for i, w in enumerate(dict.fromkeys(flat), 1)}  # word -> 1, 2, ...
-        words = np.fromiter(map(vocab.__getitem__, flat), np.int64, len(flat))
-        base = len(vocab) + 1
-        ends = np.cumsum(sizes)
-        caption_of = np.repeat(np.arange(len(captions)), sizes)  # (W,) each word's caption
-        following = np.append(words[1:], 0)  # the next word of the same caption, else 0
-        following[ends[sizes > 0] - 1] = 0
-        pairs = _unique(np.concatenate([words * base + following, words * base]))
-        pair = np.searchsorted(pairs, words * base + following)  # (w_i, w_i+1 or 0)
-        single = np.searchsorted(pairs, words * base)  # (w_i, 0)
-        left = ends[caption_of] - np.arange(len(words))  # words from each one to its end
-        heads, tails = (single, pair, pair, pair), (None, None, single, pair)
-        # the n-grams caption by caption, n by n, left to right (the order ngram_counts sees
-        # them in): caption c's n-grams start after those of the captions before it and, in
-        # it, after its shorter ones
-        per_order = np.maximum(sizes[:, None] - np.arange(ORDERS)[None], 0)  # (R, 4)
-        within = np.cumsum(per_order, 1) - per_order  # (R, 4) where each order starts
-        offset = np.cumsum(per_order.sum(1)) - per_order.sum(1)  # (R,) where each caption does
-        begins = ends - sizes
-        cap = np.empty(int(per_order.sum()), np.int64)
-        key = np.empty_like(cap)
-        gram_order = np.empty_like(cap)
-        for n in range(1, ORDERS + 1):
-            at = np.flatnonzero(left >= n)  # where the caption's n-grams start
-            owner = caption_of[at]
-            dest = offset[owner] + within[owner, n - 1] + at - begins[owner]
-            tail = 0 if tails[n - 1] is None else tails[n - 1][at + 2] + 1
-            cap[dest], gram_order[dest] = owner, n - 1
-            key[dest] = _gram_key(heads[n - 1][at], tail, len(pairs))
+        vocab, pairs, cap, key, gram_order = _keyed_grams(captions, sizes)
         # one stable sort brings equal n-grams together, each run in caption order: the ids,
         # each caption's distinct n-grams and the document frequencies follow without another
         by_key = np.argsort(key, kind="stable")

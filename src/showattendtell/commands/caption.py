@@ -45,9 +45,12 @@ from showattendtell.errors import Terminated, UsageError, UserError, raise_termi
 from showattendtell.settings import DEFAULT_BATCH_SIZE
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from showattendtell.distributed import Processes
     from showattendtell.inference import Captioner
     from showattendtell.pipeline import Record
+    from showattendtell.progress import Progress
 
 
 def add_parser(sub) -> None:
@@ -488,54 +491,20 @@ def _caption_loop(
     records from all of them and writes them, in input order, one whole record per write.
     One writer means a kill of any process loses at most the records of the step in flight and
     never leaves a duplicate: the file is what --resume continues."""
-    from showattendtell.distributed import share_batches
-    from showattendtell.pipeline import Record, caption_files, default_workers
     from showattendtell.progress import Progress
 
-    todo, main = plan.todo, procs.rank == 0
-    batches, mine = share_batches(len(todo), args.batch_size, procs.rank, procs.world_size)
-    workers = args.workers
-    if workers is None:  # the processes of one machine share its cores
-        workers = default_workers(captioner.device)
-        workers = max(1, workers // procs.local_world_size) if workers else 0
-    records = caption_files(
-        captioner,
-        [todo[i] for g in mine for i in batches[g]],
-        args.batch_size,
-        workers,
-        None,
-        args.lanes,
-        jpeg_on_device=args.decode_on == "gpu",
-        **decoding,
-    )
-    steps = -(-len(batches) // procs.world_size)
-
-    ok, failures = 0, []
-    # a bar on a terminal, unless the records go to a pipe; log lines when stderr is no terminal
-    bar = sys.stderr.isatty() and (writer.stream is not None or sys.stdout.isatty())
-    show = (True if bar else (False if sys.stderr.isatty() else None)) if main else False
+    main = procs.rank == 0
+    batches, records = _my_records(captioner, plan.todo, args, decoding, procs)
+    written = _Written()
+    show = _progress_shown(writer, main)
     interrupted = 0  # the exit status of an interrupted run: 130 Ctrl-C, 143 SIGTERM
     error: str | None = None
     hint = " (run again with --resume to finish)"  # the disk-full case says more, below
     try:
         if fresh and main:
             writer.header()
-        with Progress(len(todo), "captioning", enabled=show) as progress:
-            for step in range(steps):
-                g = step * procs.world_size + procs.rank
-                lines = [
-                    _formatted(rec, writer, overlays)
-                    for rec in islice(records, len(batches[g]) if g < len(batches) else 0)
-                ]
-                parts = procs.gather(lines)
-                for part in parts or []:
-                    for path, line, failure in part:
-                        writer.write_line(line)
-                        if failure is None:
-                            ok += 1
-                        else:
-                            failures.append(Record(path, error=failure))
-                    progress(len(part))
+        with Progress(len(plan.todo), "captioning", enabled=show) as progress:
+            _write_steps(records, batches, writer, overlays, procs, progress, written)
     except KeyboardInterrupt as e:
         interrupted = 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:  # `sat caption DIR | head`: the reader has gone; stop quietly
@@ -556,18 +525,112 @@ def _caption_loop(
             writer.stream.close()
     if not main:
         return 0 if error is None else 1
+    return _exit_status(plan, args, written, interrupted, error, hint)
+
+
+class _Written:
+    """The records that reached the output so far. They live outside the loop that writes
+    them so that a run stopped half-way (Ctrl-C, a full disk, a lost process) still reports
+    how many it kept."""
+
+    def __init__(self) -> None:
+        self.ok = 0
+        self.failures: list[Record] = []
+
+
+def _my_records(
+    captioner: Captioner,
+    todo: list[str],
+    args: argparse.Namespace,
+    decoding: dict[str, Any],
+    procs: Processes,
+) -> tuple[list[range], Iterator[Record]]:
+    """(every batch, as ranges of input positions; this process's records, captioned lazily):
+    each process captions only its own batches, and the step loop pulls their records step by
+    step, so nothing runs ahead of what is written by more than the pipeline's lanes."""
+    from showattendtell.distributed import share_batches
+    from showattendtell.pipeline import caption_files, default_workers
+
+    batches, mine = share_batches(len(todo), args.batch_size, procs.rank, procs.world_size)
+    workers = args.workers
+    if workers is None:  # the processes of one machine share its cores
+        workers = default_workers(captioner.device)
+        workers = max(1, workers // procs.local_world_size) if workers else 0
+    records = caption_files(
+        captioner,
+        [todo[i] for g in mine for i in batches[g]],
+        args.batch_size,
+        workers,
+        None,
+        args.lanes,
+        jpeg_on_device=args.decode_on == "gpu",
+        **decoding,
+    )
+    return batches, records
+
+
+def _progress_shown(writer: Writer, main: bool) -> bool | None:
+    """Progress's ``enabled``: a bar on a terminal, unless the records go to a pipe; log lines
+    when stderr is no terminal; nothing from any process but the first (one report per run)."""
+    bar = sys.stderr.isatty() and (writer.stream is not None or sys.stdout.isatty())
+    return (True if bar else (False if sys.stderr.isatty() else None)) if main else False
+
+
+def _write_steps(
+    records: Iterator[Record],
+    batches: list[range],
+    writer: Writer,
+    overlays: dict[str, Path] | None,
+    procs: Processes,
+    progress: Progress,
+    written: _Written,
+) -> None:
+    """Step by step, every process formats its batch's records (overlays and warnings done
+    where they were captioned) and the first writes them all, in rank order, so that the
+    output is in input order. ``written`` counts each record as it is written: an exception
+    from here leaves it true to the file."""
+    from showattendtell.pipeline import Record
+
+    steps = -(-len(batches) // procs.world_size)
+    for step in range(steps):
+        g = step * procs.world_size + procs.rank
+        lines = [
+            _formatted(rec, writer, overlays)
+            for rec in islice(records, len(batches[g]) if g < len(batches) else 0)
+        ]
+        parts = procs.gather(lines)
+        for part in parts or []:
+            for path, line, failure in part:
+                writer.write_line(line)
+                if failure is None:
+                    written.ok += 1
+                else:
+                    written.failures.append(Record(path, error=failure))
+            progress(len(part))
+
+
+def _exit_status(
+    plan: Plan,
+    args: argparse.Namespace,
+    written: _Written,
+    interrupted: int,
+    error: str | None,
+    hint: str,
+) -> int:
+    """The first process's last word and the run's exit status: an error line saying what is
+    intact (1); else the summary, then 130/143 for an interrupted run, 1 if an image failed."""
     if error is not None:
         print(
-            f"error: {error}; the {ok + len(failures)} records written before are intact"
-            + (hint if args.output else ""),
+            f"error: {error}; the {written.ok + len(written.failures)} records written before "
+            "are intact" + (hint if args.output else ""),
             file=sys.stderr,
         )
         return 1
     _summary(
-        ok,
-        failures,
+        written.ok,
+        written.failures,
         plan.skipped,
-        len(todo),
+        len(plan.todo),
         bool(interrupted),
         args.output,
         resume_command(args),
@@ -575,7 +638,7 @@ def _caption_loop(
     )
     if interrupted:
         return interrupted
-    return 1 if failures else 0
+    return 1 if written.failures else 0
 
 
 def _formatted(
