@@ -72,6 +72,17 @@ def add_parser(sub) -> None:
         "out.jsonl)",
     )
     p.add_argument("-r", "--recursive", action="store_true", help="look into sub-folders too")
+    _add_output_args(p)
+    _add_speed_args(p)
+    add_model_arg(p)
+    _add_process_args(p)
+    add_device_args(p)
+    add_decoding_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """Where the records go and what they hold."""
     p.add_argument("-o", "--output", default=None, help="file to write (default: standard output)")
     p.add_argument(
         "--format", default=None, help="jsonl (default) or csv; default from the --output suffix"
@@ -97,6 +108,10 @@ def add_parser(sub) -> None:
         help="replace an existing --output file (without it, or --resume, a file "
         "that is not empty is refused and left as it was)",
     )
+
+
+def _add_speed_args(p: argparse.ArgumentParser) -> None:
+    """How the work is batched and spread over the machine's cores (and GPU)."""
     p.add_argument(
         "--batch-size",
         type=int,
@@ -132,7 +147,10 @@ def add_parser(sub) -> None:
         help="batches captioned at once, each on its share of the threads (default: "
         "2 on a CPU with 2 or more threads, else 1)",
     )
-    add_model_arg(p)
+
+
+def _add_process_args(p: argparse.ArgumentParser) -> None:
+    """Several captioning processes, GPUs or machines sharing one run."""
     p.add_argument(
         "--devices",
         type=int,
@@ -150,9 +168,6 @@ def add_parser(sub) -> None:
         help="machines taking part (default 1); start the same command on each with "
         "MASTER_ADDR, MASTER_PORT and NODE_RANK set, or under torchrun / SLURM",
     )
-    add_device_args(p)
-    add_decoding_args(p)
-    p.set_defaults(func=run)
 
 
 # --------------------------------------------------------------------------- overlays
