@@ -234,8 +234,8 @@ def load_service(
             name = "+".join(f"{p.parent.name}/{p.stem}" for p in paths)
         captioner.name = name
         captioner.decoding = captioner.check_decoding(**overrides)
-        if captioner.model.consensus is not None:  # its CIDEr-D tables (about 1.5 s) and
-            captioner.model.consensus.prepare()  # familiarity calibration (about 0.5 s) now,
+        if captioner.model.consensus is not None:  # its CIDEr-D tables and
+            captioner.model.consensus.prepare()  # familiarity calibration now,
             familiarity.for_index(captioner.model.consensus).reference()  # not on a request
         captioners[name] = captioner
         log.info("loaded %s (%s attention) on %s", name, captioner.attention_type, captioner.device)

@@ -40,7 +40,7 @@ class AdditiveAttention(nn.Module):
         torch's tanh is far slower than its sigmoid, and this form makes 2 fewer passes over
         the (N, L, A) tensor than 2 sigmoid(2x) - 1; at inference on a CPU the images are also
         taken a few at a time (``CPU_SCORE_BYTES``), so that the tensor stays in the cache
-        (about 4x faster than torch.tanh for a beam-3 step: benchmarks/README.md).
+        (faster than torch.tanh for a beam-3 step: benchmarks/README.md).
         """
         G, L, A = projected.shape
         u = hidden_proj.view(G, beams, 1, A)

@@ -80,7 +80,7 @@ _gc_paused = False
 def pause_gc() -> None:
     """Pause Python's cycle collector while `sat caption` starts (cli.main, for the program
     only): importing torch and reading a model create about a million objects and no garbage,
-    and the collector would walk them again and again (about 0.1 s of a CPU's start)."""
+    and the collector would walk them again and again (benchmarks/README.md: start-up)."""
     global _gc_paused
     gc.disable()
     _gc_paused = True
@@ -88,8 +88,8 @@ def pause_gc() -> None:
 
 def resume_gc() -> None:
     """The model is ready: the collector on again, with every object alive now frozen (left to
-    the process's end). The interpreter's last collection then skips torch's objects, about
-    0.5 s of a CPU's exit, while what the run creates after this is collected and finalised as
+    the process's end). The interpreter's last collection then skips torch's objects, a large
+    part of a CPU's exit, while what the run creates after this is collected and finalised as
     usual (data loaders shut their workers down). Nothing unless pause_gc paused it."""
     global _gc_paused
     if _gc_paused:

@@ -360,11 +360,9 @@ class Encoder(nn.Module):
     ) -> torch.Tensor:
         """``fn(images)``, computed a few images at a time on a CPU (CPU_IMAGES_PER_THREAD per
         torch thread): a CNN's activations for a whole batch overflow the CPU's caches, and
-        it then runs much slower per image than on a cache-sized slice of the batch. Measured
-        on 2 cores (32 MB L3), ms per image for batches of 16 in slices of 2 / 4 / 16:
-        EfficientNet-Lite2 at 260 px 18.0 / 17.1 / 31.3 (1 thread: 31.0 / 37.8 / 55.9),
-        ResNet-50 at 448 px 197 / 222 / 262. Same results (per-image operations, frozen
-        BatchNorm); a GPU gets the whole batch."""
+        it then runs much slower per image than on a cache-sized slice of the batch
+        (benchmarks/README.md). Same results (per-image operations, frozen BatchNorm); a GPU
+        gets the whole batch."""
         chunk = CPU_IMAGES_PER_THREAD * torch.get_num_threads()
         if images.device.type != "cpu" or len(images) <= chunk:
             return fn(images)

@@ -60,7 +60,8 @@ UNSURE = "the model is unsure of its words"
 WARNING = f"{UNLIKE}; the caption may be wrong"
 UNSURE_WARNING = f"{UNSURE}; the caption may be wrong"
 BOTH_WARNING = f"{UNLIKE} and {UNSURE}; the caption may be wrong"
-CALIBRATION_PHOTOS = 2000  # at most this many index photos calibrate (evenly spaced; ~0.5 s)
+CALIBRATION_PHOTOS = 2000  # at most this many index photos calibrate (evenly spaced): enough
+# for a stable scale, few enough for a quick start
 _CHUNK = 500  # calibration rows scored at once: a (500, N) similarity matrix
 
 

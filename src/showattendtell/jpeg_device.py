@@ -1,9 +1,9 @@
 """JPEG photos decoded in batches on the GPU (nvJPEG, through torchvision), for bulk captioning.
 
-On a GPU machine the CPU's decoding sets `sat caption`'s rate: one core decodes about 340
-photos/s of 480 px, while batched nvJPEG decoding and resizing on an H100 ran at 11,000 photos/s
-(benchmarks/README.md). With ``--decode-on gpu`` the decoding processes only read a JPEG's bytes
-and header (size, EXIF orientation), and the main process decodes the batch on the GPU.
+On a GPU machine the CPU's decoding sets `sat caption`'s rate: batched nvJPEG decoding and
+resizing on the GPU is many times one core's rate (benchmarks/README.md). With ``--decode-on
+gpu`` the decoding processes only read a JPEG's bytes and header (size, EXIF orientation), and
+the main process decodes the batch on the GPU.
 
 Everything else is decoded on the CPU as before (``images.load_image``): PNG, WebP, HEIC..., and
 the JPEGs nvJPEG would decode differently or not at all: progressive, CMYK/YCCK, 12-bit. A JPEG

@@ -48,10 +48,9 @@ CPU_CORES_PER_WORKER = 8  # on a CPU, one image-decoding process per this many c
 def default_workers(device: torch.device | str = "cpu") -> int:
     """Image-decoding worker processes for ``device``.
 
-    On a GPU: one per core but one (for the main process), at most 16. A worker decodes a whole
-    batch, and the GPU captions a batch of 128 in a few tens of milliseconds while one core
-    decodes 128 photos of 480 px in about 0.4 s, so decoding sets the rate (measured on one
-    H100 with 16 cores: benchmarks/README.md, gpu_report.py's bulk part). On a CPU: none
+    On a GPU: one per core but one (for the main process), at most 16: the GPU captions a
+    batch far sooner than one core decodes it, so decoding sets the rate there
+    (benchmarks/README.md, gpu_report.py's bulk part). On a CPU: none
     up to 8 cores (the main thread decodes a batch when a lane is free to take it). The CNN
     already keeps every core busy there, so worker processes add no parallelism, only their
     start and the copy-on-write page faults of forked processes, which made captioning slower
