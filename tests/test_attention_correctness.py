@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 from conftest import COCO_SUBSET, SHARED, needs_coco_subset
+from helpers.evaluate import evaluate_argv
 from helpers.marks import needs_java
 
 from showattendtell.attention_correctness import (
@@ -27,8 +28,9 @@ from showattendtell.attention_correctness import (
 from showattendtell.cli import main
 
 COCO_TRAIN_MINI = SHARED / "data" / "coco2017_train_mini"
+TRAIN_INSTANCES = COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"
 needs_train_mini = pytest.mark.skipif(
-    not (COCO_TRAIN_MINI / "annotations" / "instances_train2017.json").is_file(),
+    not TRAIN_INSTANCES.is_file(),
     reason=f"COCO train2017 mini set not found at {COCO_TRAIN_MINI}",
 )
 VAL_INSTANCES = COCO_SUBSET / "annotations" / "instances_val2017.json"
@@ -176,6 +178,19 @@ def test_the_map_names_only_coco_categories():
 # -- an instances file and the aggregation ------------------------------------------------------
 
 
+def rectangle(ann_id, category_id, x, y, w, h):
+    """A COCO annotation on image 1: a w x h rectangle at (x, y), as a polygon."""
+    return {
+        "id": ann_id,
+        "image_id": 1,
+        "category_id": category_id,
+        "iscrowd": 0,
+        "area": float(w * h),
+        "bbox": [x, y, w, h],
+        "segmentation": [[x, y, x + w, y, x + w, y + h, x, y + h]],
+    }
+
+
 def write_instances(path, images=((1, 40, 20),), anns=None, categories=None):
     """A COCO instances file: image 1 is 40 x 20 with a dog on its left half (a polygon) and a
     person on its right quarter; categories person, dog, cat."""
@@ -185,26 +200,7 @@ def write_instances(path, images=((1, 40, 20),), anns=None, categories=None):
         {"id": 17, "name": "cat"},
     ]
     if anns is None:
-        anns = [
-            {
-                "id": 10,
-                "image_id": 1,
-                "category_id": 18,
-                "iscrowd": 0,
-                "area": 400.0,
-                "bbox": [0, 0, 20, 20],
-                "segmentation": [[0, 0, 20, 0, 20, 20, 0, 20]],
-            },
-            {
-                "id": 11,
-                "image_id": 1,
-                "category_id": 1,
-                "iscrowd": 0,
-                "area": 200.0,
-                "bbox": [30, 0, 10, 20],
-                "segmentation": [[30, 0, 40, 0, 40, 20, 30, 20]],
-            },
-        ]
+        anns = [rectangle(10, 18, 0, 0, 20, 20), rectangle(11, 1, 30, 0, 10, 20)]  # dog, person
     data = {
         "images": [
             {"id": i, "width": w, "height": h, "file_name": f"{i:012d}.jpg"} for i, w, h in images
@@ -338,9 +334,12 @@ def test_bad_instances_files_are_one_line_usage_errors(tmp_path, content, match)
 # -- sat evaluate --instances, end to end ------------------------------------------------------
 
 
-def run_evaluate(capsys, *args):
-    rc = main(["evaluate", "--num-workers", "0", "--beam-size", "1", "--no-spice", *args])
-    return rc, capsys.readouterr()
+def run_evaluate(capsys, dataset, root, split, instances, *extra, output=None):
+    """`sat evaluate` at beam 1 without SPICE, measuring attention against ``instances``:
+    the exit code and what was captured."""
+    options = ["--instances", str(instances), "--num-workers", "0", "--beam-size", "1"]
+    argv = evaluate_argv(dataset, root, split, *options, "--no-spice", *extra, output=output)
+    return main(argv), capsys.readouterr()
 
 
 def check_summary(ac: dict, n_images: int, measured_on: str = "attention weights") -> None:
@@ -370,20 +369,9 @@ def check_summary(ac: dict, n_images: int, measured_on: str = "attention weights
 @needs_coco_subset
 def test_evaluate_reports_attention_correctness_on_the_val_subset(tmp_path, capsys):
     # the bundled default model at beam 1 on the first 8 photos (5 of them have masks)
+    out = tmp_path / "r.json"
     rc, captured = run_evaluate(
-        capsys,
-        "--dataset",
-        "coco",
-        "--root",
-        str(COCO_SUBSET),
-        "--split",
-        "val",
-        "--instances",
-        str(VAL_INSTANCES),
-        "--limit",
-        "8",
-        "--output",
-        str(tmp_path / "r.json"),
+        capsys, "coco", COCO_SUBSET, "val", VAL_INSTANCES, "--limit", "8", output=out
     )
     assert rc == 0, captured.err
     last = captured.out.strip().splitlines()[-1]
@@ -398,51 +386,21 @@ def test_evaluate_reports_attention_correctness_on_the_val_subset(tmp_path, caps
     check_summary(scores["attention_correctness"], 8)
     assert scores["attention_correctness"]["skipped_images"] == 3
     assert "attention correctness:" in captured.err
-    assert len(json.loads((tmp_path / "r.json").read_text())) == 8  # all 8 still captioned
+    assert len(json.loads(out.read_text())) == 8  # all 8 still captioned
 
 
 @needs_java
 @needs_train_mini
 def test_evaluate_attention_correctness_on_the_train_mini_set(tmp_path, capsys):
-    rc, captured = run_evaluate(
-        capsys,
-        "--dataset",
-        "coco",
-        "--root",
-        str(COCO_TRAIN_MINI),
-        "--split",
-        "train",
-        "--instances",
-        str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"),
-        "--limit",
-        "4",
-        "--output",
-        str(tmp_path / "r.json"),
-    )
+    mini = ("coco", COCO_TRAIN_MINI, "train", TRAIN_INSTANCES, "--limit", "4")
+    rc, captured = run_evaluate(capsys, *mini, output=tmp_path / "r.json")
     assert rc == 0, captured.err
     ac = json.loads(captured.out.strip().splitlines()[-1])["attention_correctness"]
     check_summary(ac, 4)
     assert ac["skipped_images"] == 0  # every photo of the mini set has masks
     # the hard model decoded from its single most likely location: scored on that cell
-    rc, captured = run_evaluate(
-        capsys,
-        "--dataset",
-        "coco",
-        "--root",
-        str(COCO_TRAIN_MINI),
-        "--split",
-        "train",
-        "--instances",
-        str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"),
-        "--limit",
-        "4",
-        "--model",
-        "flickr8k_lite2_hard",
-        "--hard-mode",
-        "argmax",
-        "--output",
-        str(tmp_path / "h.json"),
-    )
+    hard_model = ("--model", "flickr8k_lite2_hard", "--hard-mode", "argmax")
+    rc, captured = run_evaluate(capsys, *mini, *hard_model, output=tmp_path / "h.json")
     assert rc == 0, captured.err
     hard = json.loads(captured.out.strip().splitlines()[-1])["attention_correctness"]
     check_summary(hard, 4, "attended locations")
@@ -464,44 +422,22 @@ def one_line_error(rc, captured, match):
     [
         ("{tmp}/missing.json", "not found"),
         (str(COCO_SUBSET / "annotations" / "captions_val2017.json"), "captions file"),
-        (
-            str(COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"),
-            "annotates none of the",
-        ),
+        (str(TRAIN_INSTANCES), "annotates none of the"),
     ],
 )
 def test_bad_instances_are_one_line_errors_before_captioning(tmp_path, capsys, instances, match):
     if "train2017" in instances and not COCO_TRAIN_MINI.is_dir():
         pytest.skip(f"COCO train2017 mini set not found at {COCO_TRAIN_MINI}")
+    instances = instances.replace("{tmp}", str(tmp_path))
     rc, captured = run_evaluate(
-        capsys,
-        "--dataset",
-        "coco",
-        "--root",
-        str(COCO_SUBSET),
-        "--split",
-        "val",
-        "--instances",
-        instances.replace("{tmp}", str(tmp_path)),
-        "--output",
-        str(tmp_path / "r.json"),
+        capsys, "coco", COCO_SUBSET, "val", instances, output=tmp_path / "r.json"
     )
     one_line_error(rc, captured, match)
     assert not (tmp_path / "r.json").exists()
 
 
 def test_instances_with_flickr8k_is_a_usage_error(synthetic_flickr, tmp_path, capsys):
-    rc, captured = run_evaluate(
-        capsys,
-        "--dataset",
-        "flickr8k",
-        "--root",
-        str(synthetic_flickr),
-        "--split",
-        "dev",
-        "--instances",
-        str(tmp_path / "i.json"),
-    )
+    rc, captured = run_evaluate(capsys, "flickr8k", synthetic_flickr, "dev", tmp_path / "i.json")
     one_line_error(rc, captured, "--instances needs COCO photos")
 
 
@@ -515,13 +451,6 @@ def test_instances_with_a_karpathy_flickr_split_is_a_usage_error(tmp_path, capsy
             {"images": [{"filename": "a.jpg", "split": "test", "sentences": [{"raw": "a dog"}]}]}
         )
     )
-    rc, captured = run_evaluate(
-        capsys,
-        "--dataset",
-        "karpathy",
-        "--root",
-        str(tmp_path),
-        "--instances",
-        str(write_instances(tmp_path / "i.json")),
-    )
+    instances = write_instances(tmp_path / "i.json")
+    rc, captured = run_evaluate(capsys, "karpathy", tmp_path, None, instances)
     one_line_error(rc, captured, "have no COCO ids")

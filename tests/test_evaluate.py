@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k, write_flickr8k_folder
+from helpers.evaluate import evaluate_argv
 from helpers.marks import needs_java
 
 from showattendtell import metrics
@@ -14,6 +15,11 @@ from showattendtell.cli import main
 
 KEYS = ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"]
 REPETITION = ["repeated_bigram_captions", "mean_words"]
+
+
+def flickr8k_argv(model_file, root, *extra, split="dev", output=None):
+    """The arguments of `sat evaluate` of ``model_file`` on a Flickr8k split at ``root``."""
+    return evaluate_argv("flickr8k", root, split, *extra, model=model_file, output=output)
 
 
 @pytest.fixture(scope="module")
@@ -51,29 +57,8 @@ def model_file(tmp_path_factory):
 @needs_coco_subset
 def test_evaluate_coco_subset(model_file, tmp_path, capsys, caplog):
     out = tmp_path / "res" / "results.json"
-    rc = main(
-        [
-            "evaluate",
-            "--model",
-            str(model_file),
-            "--dataset",
-            "coco",
-            "--root",
-            str(COCO_SUBSET),
-            "--split",
-            "val",
-            "--limit",
-            "6",
-            "--batch-size",
-            "4",
-            "--num-workers",
-            "1",
-            "--beam-size",
-            "2",
-            "--output",
-            str(out),
-        ]
-    )
+    options = ["--limit", "6", "--batch-size", "4", "--num-workers", "1", "--beam-size", "2"]
+    rc = main(evaluate_argv("coco", COCO_SUBSET, "val", *options, model=model_file, output=out))
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     scores = json.loads(captured.out.strip().splitlines()[-1])
@@ -111,23 +96,7 @@ def test_evaluate_flickr_skips_an_undecodable_image(model_file, tmp_path, capsys
     bad = sorted((root / "images").glob("*.jpg"))[-1]
     bad.write_bytes(b"GIF89a broken")
     out = tmp_path / "flickr.json"
-    rc = main(
-        [
-            "evaluate",
-            "--model",
-            str(model_file),
-            "--dataset",
-            "flickr8k",
-            "--root",
-            str(root),
-            "--split",
-            "dev",
-            "--num-workers",
-            "0",
-            "--output",
-            str(out),
-        ]
-    )
+    rc = main(flickr8k_argv(model_file, root, "--num-workers", "0", output=out))
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert list(json.loads(captured.out.strip().splitlines()[-1])) == KEYS + REPETITION
@@ -140,19 +109,7 @@ def test_evaluate_flickr_skips_an_undecodable_image(model_file, tmp_path, capsys
 
 @needs_flickr8k
 def test_withheld_test_images_fail_clearly(model_file, capsys):
-    rc = main(
-        [
-            "evaluate",
-            "--model",
-            str(model_file),
-            "--dataset",
-            "flickr8k",
-            "--root",
-            str(FLICKR8K),
-            "--split",
-            "test",
-        ]
-    )
+    rc = main(flickr8k_argv(model_file, FLICKR8K, split="test"))
     err = capsys.readouterr().err
     assert rc == 1
     line = err.strip().splitlines()[-1]
@@ -163,19 +120,7 @@ def test_without_java_it_says_so_before_captioning(
     model_file, synthetic_flickr, monkeypatch, capsys
 ):
     monkeypatch.setattr(metrics.shutil, "which", lambda name: None)
-    rc = main(
-        [
-            "evaluate",
-            "--model",
-            str(model_file),
-            "--dataset",
-            "flickr8k",
-            "--root",
-            str(synthetic_flickr),
-            "--split",
-            "dev",
-        ]
-    )
+    rc = main(flickr8k_argv(model_file, synthetic_flickr))
     captured = capsys.readouterr()
     assert rc == 1 and captured.out == ""
     assert "need Java" in captured.err and "Traceback" not in captured.err
@@ -214,21 +159,7 @@ def test_an_unwritable_output_is_refused_before_any_photo_is_read(
         if where == "under_a_file"
         else Path("/proc/sat-results.json")
     )
-    rc = main(
-        [
-            "evaluate",
-            "--model",
-            str(model_file),
-            "--dataset",
-            "flickr8k",
-            "--root",
-            str(synthetic_flickr),
-            "--split",
-            "dev",
-            "--output",
-            str(out),
-        ]
-    )
+    rc = main(flickr8k_argv(model_file, synthetic_flickr, output=out))
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "\n" not in err, err
     assert "--output" in err and str(out.parent) in err
@@ -239,21 +170,7 @@ def test_an_existing_output_is_kept_unless_overwrite(model_file, tmp_path, capsy
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=2)
     out = tmp_path / "results.json"
     out.write_text("my notes\n")
-    args = [
-        "evaluate",
-        "--model",
-        str(model_file),
-        "--dataset",
-        "flickr8k",
-        "--root",
-        str(root),
-        "--split",
-        "dev",
-        "--num-workers",
-        "0",
-        "--output",
-        str(out),
-    ]
+    args = flickr8k_argv(model_file, root, "--num-workers", "0", output=out)
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "already exists" in err and "--overwrite" in err and "\n" not in err
@@ -284,23 +201,7 @@ def test_scores_are_printed_when_the_results_cannot_be_written(
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=2)
     out = tmp_path / "results.json"
-    rc = main(
-        [
-            "evaluate",
-            "--model",
-            str(model_file),
-            "--dataset",
-            "flickr8k",
-            "--root",
-            str(root),
-            "--split",
-            "dev",
-            "--num-workers",
-            "0",
-            "--output",
-            str(out),
-        ]
-    )
+    rc = main(flickr8k_argv(model_file, root, "--num-workers", "0", output=out))
     captured = capsys.readouterr()
     assert rc == 1
     assert list(json.loads(captured.out.strip().splitlines()[-1])) == KEYS + REPETITION
