@@ -56,6 +56,34 @@ def _extract(cache, images, encoder, **kw):
     return cache.extract(images, encoder, **kw)
 
 
+def _flickr8k_from_cache(root, cache, encoder, **sizes) -> CaptionDataModule:
+    """A Flickr8k data module on ``root`` that trains from the feature cache in ``cache``, every
+    word kept and no loader workers; ``sizes``: its batch sizes and validation images."""
+    return CaptionDataModule(
+        dataset="flickr8k",
+        root=str(root),
+        feature_cache=str(cache),
+        encoder=encoder,
+        min_word_count=1,
+        num_workers=0,
+        **sizes,
+    )
+
+
+def _quiet_trainer(**kw):
+    """A Lightning trainer on the CPU that logs, checkpoints and prints nothing."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+
+
 def test_extract_and_read_back(tmp_path, encoder, images, expected):
     cache = FeatureCache.for_config(tmp_path, CONFIG)
     assert cache.dir == cache_dir_for(tmp_path, CONFIG) and "2x2" in cache.dir.name
@@ -159,16 +187,8 @@ def test_datamodule_trains_from_the_cache_and_skips_bad_images(tmp_path, caplog)
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=6, n_dev=3)
     bad = sorted((root / "images").glob("*.jpg"))[0]
     bad.write_bytes(b"not a jpeg")
-    dm = CaptionDataModule(
-        dataset="flickr8k",
-        root=str(root),
-        feature_cache=str(tmp_path / "c"),
-        encoder=CONFIG,
-        min_word_count=1,
-        batch_size=16,
-        num_workers=0,
-        val_images=2,
-        extract_batch_size=8,
+    dm = _flickr8k_from_cache(
+        root, tmp_path / "c", CONFIG, batch_size=16, val_images=2, extract_batch_size=8
     )
     with caplog.at_level(logging.INFO):
         dm.prepare_data()
@@ -243,22 +263,12 @@ def test_fine_tuning_the_top_trains_from_the_frozen_stages_cache(tmp_path):
     """fine_tune_stages with a feature cache: the cache holds the frozen stages' output (its own
     folder), training runs the top stages on it and changes only their weights (and the
     decoder's)."""
-    import lightning as L
-
     from showattendtell.lit_module import CaptionModule
 
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=6, n_dev=3)
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=1)
-    dm = CaptionDataModule(
-        dataset="flickr8k",
-        root=str(root),
-        feature_cache=str(tmp_path / "c"),
-        encoder=enc,
-        min_word_count=1,
-        batch_size=8,
-        num_workers=0,
-        val_images=3,
-        extract_batch_size=4,
+    dm = _flickr8k_from_cache(
+        root, tmp_path / "c", enc, batch_size=8, val_images=3, extract_batch_size=4
     )
     dm.prepare_data()
     cache = FeatureCache.for_config(tmp_path / "c", enc)
@@ -269,16 +279,9 @@ def test_fine_tuning_the_top_trains_from_the_frozen_stages_cache(tmp_path):
         dm.vocab_words, encoder=enc, decoder={"embed_dim": 8, "hidden_dim": 16, "attention_dim": 8}
     )
     before = {k: v.clone() for k, v in module.model.encoder.state_dict().items()}
-    L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=1,
-        enable_model_summary=False,
-    ).fit(module, datamodule=dm)
+    _quiet_trainer(max_steps=2, num_sanity_val_steps=0, limit_val_batches=1).fit(
+        module, datamodule=dm
+    )
     after = module.model.encoder.state_dict()
     changed = {
         k.split(".")[1]
@@ -300,14 +303,7 @@ def test_fine_tuning_the_top_trains_from_the_frozen_stages_cache(tmp_path):
         decoder={"embed_dim": 8, "hidden_dim": 16, "attention_dim": 8},
     )
     own = {k: v.clone() for k, v in later.model.encoder.state_dict().items()}
-    L.Trainer(
-        max_epochs=0,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(later, datamodule=dm)
+    _quiet_trainer(max_epochs=0).fit(later, datamodule=dm)
     for k, v in later.model.encoder.state_dict().items():
         expected = after[k] if k.startswith("stages.4.") else own[k]
         torch.testing.assert_close(v, expected, msg=k)
