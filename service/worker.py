@@ -111,16 +111,9 @@ class CaptionService:
         }
         return config.with_overrides(**fixed)
 
-    def caption(
-        self,
-        image: Image.Image,
-        model: str | None = None,
-        decoding: DecodingConfig | None = None,
-        timeout: float = 300.0,
-    ) -> CaptionResult:
-        """Caption one decoded RGB image (batched with concurrent requests); ``decoding``
-        None: the model's defaults. The result's warning flags a degenerate photo."""
-        return self.caption_ranked(image, model, decoding, timeout).result
+    def caption(self, *args: Any, **kwargs: Any) -> CaptionResult:
+        """:meth:`caption_ranked`'s caption alone (the same arguments)."""
+        return self.caption_ranked(*args, **kwargs).result
 
     def caption_ranked(
         self,
@@ -129,7 +122,9 @@ class CaptionService:
         decoding: DecodingConfig | None = None,
         timeout: float = 300.0,
     ) -> Served:
-        """:meth:`caption`, with the beams' consensus scores when they were reranked."""
+        """Caption one decoded RGB image (batched with concurrent requests); ``decoding``
+        None: the model's defaults. The result's warning flags a degenerate photo; with the
+        beams' consensus scores when they were reranked."""
         captioner = self.get(model)
         job = _Job(
             captioner, preprocess(image, captioner.input_size), decoding or captioner.decoding
