@@ -18,8 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def trained_run(synthetic_flickr, tmp_path_factory):
     """configs/tiny.yaml writes under runs/tiny relative to the working directory."""
     work = tmp_path_factory.mktemp("work")
-    args = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-            "--data.root", str(synthetic_flickr), "--data.feature_cache", "cache"]
+    args = [
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--data.root",
+        str(synthetic_flickr),
+        "--data.feature_cache",
+        "cache",
+    ]
     old = os.getcwd()
     os.chdir(work)
     try:
@@ -94,14 +101,18 @@ def test_export_and_caption_match_the_checkpoint(trained_run, synthetic_flickr, 
     module.eval()
     with torch.no_grad():
         feats = module.model.encoder(torch.stack([preprocess(open_image(p), 64) for p in images]))
-    expected = [" ".join(module.model.words(h[0]))
-                for h in module.model.generate(feats, DecodingConfig(beam_size=3))]
+    expected = [
+        " ".join(module.model.words(h[0]))
+        for h in module.model.generate(feats, DecodingConfig(beam_size=3))
+    ]
 
     capsys.readouterr()
     assert main(["caption", *map(str, images), "--model", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    got = [json.loads(line)["caption"] if line.startswith("{") else line.split("\t")[-1]
-           for line in lines]
+    got = [
+        json.loads(line)["caption"] if line.startswith("{") else line.split("\t")[-1]
+        for line in lines
+    ]
     assert got == expected
 
 
@@ -115,18 +126,35 @@ def test_hard_run_starts_from_the_soft_run(trained_run, tmp_path):
     exported = tmp_path / "soft.safetensors"
     assert main(["export", str(soft), str(exported)]) == 0
     soft_decoder = CaptionModule.load_from_checkpoint(
-        soft, map_location="cpu", weights_only=True).model.decoder.state_dict()
+        soft, map_location="cpu", weights_only=True
+    ).model.decoder.state_dict()
     for source in (soft, exported):
         out = tmp_path / source.suffix[1:]
-        hard_args = [*args, "--model.decoder.attention", "hard", "--model.init_from", str(source),
-                     "--trainer.max_epochs", "0", "--run.dir", str(out)]
+        hard_args = [
+            *args,
+            "--model.decoder.attention",
+            "hard",
+            "--model.init_from",
+            str(source),
+            "--trainer.max_epochs",
+            "0",
+            "--run.dir",
+            str(out),
+        ]
         module = _fit_and_return_module(hard_args)
         assert module.attention == "hard"
         for k, v in module.model.decoder.state_dict().items():
             torch.testing.assert_close(v, soft_decoder[k], atol=1e-3, rtol=1e-3)  # fp32 or fp16
 
-    wider = [*args, "--model.decoder.hidden_dim", "48", "--model.init_from", str(soft),
-             "--trainer.max_epochs", "0"]
+    wider = [
+        *args,
+        "--model.decoder.hidden_dim",
+        "48",
+        "--model.init_from",
+        str(soft),
+        "--trainer.max_epochs",
+        "0",
+    ]
     from showattendtell.model_file import ModelFileError
 
     with pytest.raises(ModelFileError, match="different decoder or encoder size"):
@@ -145,8 +173,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     from PIL import Image
 
     Image.new("RGB", (8, 8)).save(tmp_path / "x.jpg")
-    assert main(["caption", str(tmp_path / "x.jpg"), "--model", str(tmp_path / "no.safetensors")]
-                ) != 0
+    assert (
+        main(["caption", str(tmp_path / "x.jpg"), "--model", str(tmp_path / "no.safetensors")]) != 0
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "no.safetensors" in err and len(err.splitlines()) == 1
     assert main(["export", str(tmp_path / "none.ckpt"), str(tmp_path / "m.safetensors")]) == 1
@@ -166,8 +195,7 @@ def test_export_of_a_model_file_changes_only_its_stored_decoding(tiny_model_file
 
 
 @pytest.mark.parametrize("kind", ["photo", "empty", "folder", "other pickle"])
-def test_export_of_something_else_is_one_line_of_our_own(kind, tmp_path, tiny_model_file,
-                                                         capsys):
+def test_export_of_something_else_is_one_line_of_our_own(kind, tmp_path, tiny_model_file, capsys):
     from PIL import Image
 
     src = tmp_path / "thing.ckpt"
@@ -191,16 +219,21 @@ def test_train_with_a_missing_config_says_so_first(tmp_path, capsys):
     assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --config") and "missing.yaml" in err and "\n" not in err
-    assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-                 "--trainer.max_epochs", "x"]) == 2
+    assert (
+        main(
+            ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_epochs", "x"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "usage:" not in err
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
-def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(stop, synthetic_flickr,
-                                                                    tmp_path, capsys):
+def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(
+    stop, synthetic_flickr, tmp_path, capsys
+):
     """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM (`kill PID`, a scheduler's
     preemption: Lightning finishes the batch, then stops) saves where training stopped."""
     import shlex
@@ -215,14 +248,28 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(stop, synthe
         else:
             os.kill(proc.pid, signal.SIGTERM)
 
-    args = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
-            str(synthetic_flickr), "--data.feature_cache", "cache",
-            "--trainer.max_epochs", "100000"]
+    args = [
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--data.root",
+        str(synthetic_flickr),
+        "--data.feature_cache",
+        "cache",
+        "--trainer.max_epochs",
+        "100000",
+    ]
     # so many epochs that only Ctrl-C ends the run: a fast machine ran 200 tiny epochs in the
     # second this test waits before it presses Ctrl-C
-    proc = subprocess.Popen([sys.executable, "-m", "showattendtell.cli", *args], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=default_sigint)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "showattendtell.cli", *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_sigint,
+    )
     last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 300
     while not last.is_file() and proc.poll() is None and time.monotonic() < deadline:
@@ -286,13 +333,21 @@ def test_self_critical_fine_tuning_from_a_trained_run(trained_run, tmp_path, cap
     old = os.getcwd()
     os.chdir(tmp_path)
     try:
-        scst = [*args, "--trainer.max_epochs", "1", "--model.objective.self_critical", "2",
-                "--model.init_from", str(run / "checkpoints" / "last.ckpt")]
+        scst = [
+            *args,
+            "--trainer.max_epochs",
+            "1",
+            "--model.objective.self_critical",
+            "2",
+            "--model.init_from",
+            str(run / "checkpoints" / "last.ckpt"),
+        ]
         assert main(scst) == 0
         header = next(Path("runs/tiny").rglob("metrics.csv")).read_text().splitlines()[0]
         assert "train/reward" in header and "val/cider" in header
-        _check_interpolated_export(run / "checkpoints" / "last.ckpt",
-                                   Path("runs/tiny/checkpoints/last.ckpt"), capsys)
+        _check_interpolated_export(
+            run / "checkpoints" / "last.ckpt", Path("runs/tiny/checkpoints/last.ckpt"), capsys
+        )
         shutil.rmtree("runs")
         assert main([*scst, "--model.objective.self_critical", "1"]) == 2
         assert "self_critical must be 0" in capsys.readouterr().err
@@ -306,10 +361,23 @@ def _check_interpolated_export(start_ckpt: Path, tuned_ckpt: Path, capsys) -> No
 
     assert main(["export", str(start_ckpt), "start.safetensors"]) == 0
     assert main(["export", str(tuned_ckpt), "tuned.safetensors"]) == 0
-    assert main(["export", str(tuned_ckpt), "mix.safetensors", "--interpolate",
-                 "start.safetensors", "--alpha", "0.25"]) == 0
-    start, tuned, mix = (read_model(f"{n}.safetensors")[0].state_dict()
-                         for n in ("start", "tuned", "mix"))
+    assert (
+        main(
+            [
+                "export",
+                str(tuned_ckpt),
+                "mix.safetensors",
+                "--interpolate",
+                "start.safetensors",
+                "--alpha",
+                "0.25",
+            ]
+        )
+        == 0
+    )
+    start, tuned, mix = (
+        read_model(f"{n}.safetensors")[0].state_dict() for n in ("start", "tuned", "mix")
+    )
     moved = 0
     for k, v in mix.items():
         if v.is_floating_point():
@@ -318,8 +386,20 @@ def _check_interpolated_export(start_ckpt: Path, tuned_ckpt: Path, capsys) -> No
     assert moved > 0  # self-critical training changed the decoder
     assert read_model("mix.safetensors")[2]["alpha"] == 0.25
     capsys.readouterr()
-    assert main(["export", str(tuned_ckpt), "bad.safetensors", "--interpolate",
-                 "start.safetensors", "--alpha", "1.5"]) == 1
+    assert (
+        main(
+            [
+                "export",
+                str(tuned_ckpt),
+                "bad.safetensors",
+                "--interpolate",
+                "start.safetensors",
+                "--alpha",
+                "1.5",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot interpolate") and len(err.splitlines()) == 1
     assert not Path("bad.safetensors").exists()
@@ -331,9 +411,23 @@ def train_tiny(data_root: Path, work: Path, *extra: str) -> Path:
     old = os.getcwd()
     os.chdir(work)
     try:
-        assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
-                     str(data_root), "--data.feature_cache", "cache", "--trainer.max_epochs", "1",
-                     *extra]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--config",
+                    str(ROOT / "configs" / "tiny.yaml"),
+                    "--data.root",
+                    str(data_root),
+                    "--data.feature_cache",
+                    "cache",
+                    "--trainer.max_epochs",
+                    "1",
+                    *extra,
+                ]
+            )
+            == 0
+        )
     finally:
         os.chdir(old)
     return work / "runs" / "tiny" / "checkpoints"
@@ -356,8 +450,7 @@ def test_save_every_n_steps_keeps_a_mid_epoch_checkpoint(synthetic_flickr, tmp_p
     assert steps["global_step"] == 12  # 15 steps in the epoch: saved at 4, 8, 12
 
 
-def test_export_checks_its_output_before_reading_the_checkpoint(tiny_model_file, tmp_path,
-                                                                capsys):
+def test_export_checks_its_output_before_reading_the_checkpoint(tiny_model_file, tmp_path, capsys):
     """Root writes wherever chmod says no, so the unwritable place is one no one can write: a
     folder that would have to be made inside a regular file."""
     (tmp_path / "notes").write_text("a file\n")
@@ -374,8 +467,7 @@ def test_export_checks_its_output_before_reading_the_checkpoint(tiny_model_file,
     err = capsys.readouterr().err.strip()
     assert "already exists" in err and "--overwrite" in err and "\n" not in err
     assert out.read_bytes() == b"weeks of training"
-    assert main(["export", str(tiny_model_file), str(out), "--beam-size", "2",
-                 "--overwrite"]) == 0
+    assert main(["export", str(tiny_model_file), str(out), "--beam-size", "2", "--overwrite"]) == 0
     from showattendtell.model_file import read_model
 
     assert read_model(out)[1].beam_size == 2
@@ -384,8 +476,20 @@ def test_export_checks_its_output_before_reading_the_checkpoint(tiny_model_file,
 def test_train_checks_the_run_folder_before_any_work(synthetic_flickr, tmp_path, capsys):
     (tmp_path / "notes").write_text("a file\n")
     run_dir = tmp_path / "notes" / "run"
-    assert main(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
-                 str(synthetic_flickr), "--run.dir", str(run_dir)]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(ROOT / "configs" / "tiny.yaml"),
+                "--data.root",
+                str(synthetic_flickr),
+                "--run.dir",
+                str(run_dir),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: cannot create the folder for --run.dir")
     assert str(run_dir) in err[-1] and not any("Traceback" in line for line in err)
@@ -393,9 +497,19 @@ def test_train_checks_the_run_folder_before_any_work(synthetic_flickr, tmp_path,
 
 def test_trainer_default_root_dir_is_the_run_folder(synthetic_flickr, tmp_path, capsys):
     """Lightning's usual option names the run folder, as --run.dir does."""
-    tiny = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root",
-            str(synthetic_flickr), "--trainer.max_epochs", "1",
-            "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    tiny = [
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--data.root",
+        str(synthetic_flickr),
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.limit_train_batches",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+    ]
     run_dir = tmp_path / "elsewhere"
     assert main([*tiny, "--trainer.default_root_dir", str(run_dir)]) == 0
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()

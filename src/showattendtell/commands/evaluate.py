@@ -42,36 +42,55 @@ class EvaluateError(UsageError, ValueError):
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "evaluate", help="caption a dataset split and score it (BLEU-1..4, METEOR, ROUGE-L, "
-                         "CIDEr-D, SPICE; attention correctness with --instances)",
+        "evaluate",
+        help="caption a dataset split and score it (BLEU-1..4, METEOR, ROUGE-L, "
+        "CIDEr-D, SPICE; attention correctness with --instances)",
         description="Caption every image of a split with a model and score the captions with the "
-                    "official COCO caption toolkit. Prints the scores as one JSON object on the "
-                    "last line of standard output.")
+        "official COCO caption toolkit. Prints the scores as one JSON object on the "
+        "last line of standard output.",
+    )
     add_model_arg(p)
-    p.add_argument("--dataset", required=True, choices=DATASETS,
-                   help="coco (official files, or Karpathy's split with dataset_coco.json), "
-                        "flickr8k (original release files), karpathy (dataset_*.json)")
+    p.add_argument(
+        "--dataset",
+        required=True,
+        choices=DATASETS,
+        help="coco (official files, or Karpathy's split with dataset_coco.json), "
+        "flickr8k (original release files), karpathy (dataset_*.json)",
+    )
     p.add_argument("--root", required=True, help="the dataset folder (see data/README.md)")
-    p.add_argument("--split", default="test",
-                   help="split to evaluate (default test; flickr8k: train/dev/test; coco without "
-                        "Karpathy's split: train/val)")
-    p.add_argument("--output", default=None,
-                   help="where to write the captions as COCO results JSON "
-                        "(default: <model>-<dataset>-<split>-results.json); an existing "
-                        "file is replaced only with --overwrite")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing --output file")
+    p.add_argument(
+        "--split",
+        default="test",
+        help="split to evaluate (default test; flickr8k: train/dev/test; coco without "
+        "Karpathy's split: train/val)",
+    )
+    p.add_argument(
+        "--output",
+        default=None,
+        help="where to write the captions as COCO results JSON "
+        "(default: <model>-<dataset>-<split>-results.json); an existing "
+        "file is replaced only with --overwrite",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--batch-size", type=int, default=32, help="images per batch")
-    p.add_argument("--num-workers", type=int, default=None,
-                   help="image-decoding processes (default: as sat caption's --workers)")
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="image-decoding processes (default: as sat caption's --workers)",
+    )
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
     p.add_argument("--no-spice", action="store_true", help="skip SPICE even if it can run")
     add_device_args(p)
-    p.add_argument("--instances", default=None, metavar="FILE",
-                   help="COCO instance annotations of the split's photos "
-                        "(annotations/instances_<split><year>.json): also report attention "
-                        "correctness, the share of a word's attention on the masks of the COCO "
-                        "category it names (COCO photos only; others are skipped)")
+    p.add_argument(
+        "--instances",
+        default=None,
+        metavar="FILE",
+        help="COCO instance annotations of the split's photos "
+        "(annotations/instances_<split><year>.json): also report attention "
+        "correctness, the share of a word's attention on the masks of the COCO "
+        "category it names (COCO photos only; others are skipped)",
+    )
     add_decoding_args(p)
     p.set_defaults(func=run)
 
@@ -80,17 +99,24 @@ def run(args: argparse.Namespace) -> int:
     from showattendtell.data.datasets import load_split
     from showattendtell.metrics import repetition, require_java, score_captions
 
-    if (args.batch_size < 1 or (args.num_workers or 0) < 0
-            or (args.limit is not None and args.limit < 1)):
+    if (
+        args.batch_size < 1
+        or (args.num_workers or 0) < 0
+        or (args.limit is not None and args.limit < 1)
+    ):
         raise EvaluateError("--batch-size and --limit must be positive, --num-workers >= 0")
     if args.instances is not None and args.dataset == "flickr8k":
-        raise EvaluateError("--instances needs COCO photos (--dataset coco, or karpathy with "
-                            "dataset_coco.json): Flickr8k has no COCO instance annotations")
+        raise EvaluateError(
+            "--instances needs COCO photos (--dataset coco, or karpathy with "
+            "dataset_coco.json): Flickr8k has no COCO instance annotations"
+        )
     decoding = decoding_overrides(args)
     output = _output_path(args)
     # say so before spending minutes on captioning
-    require_java("sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer "
-                 "and METEOR need Java")
+    require_java(
+        "sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer "
+        "and METEOR need Java"
+    )
     split = load_split(args.dataset, args.root, args.split)
     split.require_images()
     images = split.images[: args.limit] if args.limit else split.images
@@ -107,9 +133,14 @@ def run(args: argparse.Namespace) -> int:
         check_new_output("--output", output, args.overwrite)
     t0 = time.perf_counter()
     kept: dict = {}  # image_id -> CaptionResult, for attention correctness
-    captions, failed = caption_split(captioner, images, args.batch_size, args.num_workers,
-                                     on_result=kept.__setitem__ if instances is not None else None,
-                                     **decoding)
+    captions, failed = caption_split(
+        captioner,
+        images,
+        args.batch_size,
+        args.num_workers,
+        on_result=kept.__setitem__ if instances is not None else None,
+        **decoding,
+    )
     elapsed = time.perf_counter() - t0
     if not captions:
         raise EvaluateError(f"none of the {len(images)} images of {split.name} could be decoded")
@@ -118,30 +149,46 @@ def run(args: argparse.Namespace) -> int:
     # A write that fails now (a disk that filled up, a folder removed during the run) must not
     # lose the scores of the whole split: they are printed, and the failure said, below.
     unwritten = _write_results(output, results)
-    print(f"captioned {len(captions)} images of {split.name} in {elapsed:.1f} s "
-          f"({len(captions) / max(elapsed, 1e-9):.1f} img/s"
-          f"{f', {len(failed)} undecodable images skipped' if failed else ''})"
-          + ("" if unwritten else f"; wrote {output}"), file=sys.stderr)
+    print(
+        f"captioned {len(captions)} images of {split.name} in {elapsed:.1f} s "
+        f"({len(captions) / max(elapsed, 1e-9):.1f} img/s"
+        f"{f', {len(failed)} undecodable images skipped' if failed else ''})"
+        + ("" if unwritten else f"; wrote {output}"),
+        file=sys.stderr,
+    )
 
     references = {k: by_id[k].captions for k in captions}
     scores = score_captions(captions, references, official=True, spice=not args.no_spice)
     out = {k: finite_or_none(v, 6) for k, v in scores.items()}
     out.update({k: round(v, 4) for k, v in repetition(captions).items()})
-    print(f"{out['repeated_bigram_captions']:.1%} of the captions repeat a word bigram; "
-          f"{out['mean_words']:.1f} words a caption", file=sys.stderr)
+    print(
+        f"{out['repeated_bigram_captions']:.1%} of the captions repeat a word bigram; "
+        f"{out['mean_words']:.1f} words a caption",
+        file=sys.stderr,
+    )
     if instances is not None:
         from showattendtell.attention_correctness import score_results
 
-        ac = score_results(instances, ((by_id[k].coco_id, r.words, r.attention, r.locations,
-                                        by_id[k].path) for k, r in kept.items()))
+        ac = score_results(
+            instances,
+            (
+                (by_id[k].coco_id, r.words, r.attention, r.locations, by_id[k].path)
+                for k, r in kept.items()
+            ),
+        )
         out["attention_correctness"] = ac
-        found = (f"{ac['correctness']} of the attention ({ac['measured_on']}) on the "
-                 "category's masks, "
-                 f"{ac['uniform']} for uniform attention, ratio {ac['ratio']}" if ac["words"]
-                 else "no generated word names a COCO category of its photo")
-        print(f"attention correctness: {ac['words']} words in {ac['images']} photos "
-              f"({ac['skipped_images']} photos not in {args.instances} skipped): {found}",
-              file=sys.stderr)
+        found = (
+            f"{ac['correctness']} of the attention ({ac['measured_on']}) on the "
+            "category's masks, "
+            f"{ac['uniform']} for uniform attention, ratio {ac['ratio']}"
+            if ac["words"]
+            else "no generated word names a COCO category of its photo"
+        )
+        print(
+            f"attention correctness: {ac['words']} words in {ac['images']} photos "
+            f"({ac['skipped_images']} photos not in {args.instances} skipped): {found}",
+            file=sys.stderr,
+        )
     print(json.dumps(out, allow_nan=False))
     if unwritten:
         print(f"error: {unwritten}; the scores above are complete", file=sys.stderr)
@@ -192,21 +239,36 @@ def _load_instances(path: str, split):
 
     ids = {im.coco_id for im in split.images if im.coco_id is not None}
     if not ids:
-        raise EvaluateError(f"--instances needs COCO photos: the images of {split.name} have no "
-                            "COCO ids (use --dataset coco)")
+        raise EvaluateError(
+            f"--instances needs COCO photos: the images of {split.name} have no "
+            "COCO ids (use --dataset coco)"
+        )
     instances = CocoInstances(path)
     annotated = len(ids & instances.image_ids)
     if not annotated:
-        raise InstancesError(f"{path} annotates none of the {len(ids)} photos of {split.name} "
-                             f"(its {len(instances.image_ids)} images have other ids: the "
-                             "instances file of another split or year?)")
-    log.info("%s annotates %d of the %d photos of %s; attention correctness skips the others",
-             path, annotated, len(ids), split.name)
+        raise InstancesError(
+            f"{path} annotates none of the {len(ids)} photos of {split.name} "
+            f"(its {len(instances.image_ids)} images have other ids: the "
+            "instances file of another split or year?)"
+        )
+    log.info(
+        "%s annotates %d of the %d photos of %s; attention correctness skips the others",
+        path,
+        annotated,
+        len(ids),
+        split.name,
+    )
     return instances
 
 
-def caption_split(captioner, images: list, batch_size: int = 32, num_workers: int | None = None,
-                  on_result=None, **decoding) -> tuple[dict[str, str], dict[str, str]]:
+def caption_split(
+    captioner,
+    images: list,
+    batch_size: int = 32,
+    num_workers: int | None = None,
+    on_result=None,
+    **decoding,
+) -> tuple[dict[str, str], dict[str, str]]:
     """Caption a split's images through the one pipeline (pipeline.caption_files).
 
     Returns (image_id -> caption, image_id -> reason for the undecodable ones, which are
@@ -219,8 +281,9 @@ def caption_split(captioner, images: list, batch_size: int = 32, num_workers: in
     captions: dict[str, str] = {}
     failed: dict[str, str] = {}
     with Progress(len(images), "captions") as progress:
-        records = caption_files(captioner, [im.path for im in images], batch_size, num_workers,
-                                progress, **decoding)
+        records = caption_files(
+            captioner, [im.path for im in images], batch_size, num_workers, progress, **decoding
+        )
         for im, rec in zip(images, records, strict=True):
             if rec.result is None:
                 log.warning("skipping undecodable image: %s: %s", rec.path, rec.error)

@@ -14,32 +14,66 @@ from showattendtell.data.datasets import DATASETS
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a training checkpoint as a model file")
-    p.add_argument("checkpoint", help="Lightning .ckpt written by sat train; or a model file "
-                                      "(.safetensors or a `sat models` name) to store other "
-                                      "decoding defaults with its weights")
-    p.add_argument("output", help="model file to write (.safetensors); an existing file is "
-                                  "replaced only with --overwrite")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing output file (e.g. re-export a run's model)")
+    p.add_argument(
+        "checkpoint",
+        help="Lightning .ckpt written by sat train; or a model file "
+        "(.safetensors or a `sat models` name) to store other "
+        "decoding defaults with its weights",
+    )
+    p.add_argument(
+        "output",
+        help="model file to write (.safetensors); an existing file is "
+        "replaced only with --overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing output file (e.g. re-export a run's model)",
+    )
     p.add_argument("--half", action="store_true", help="store weights as float16")
-    p.add_argument("--interpolate", metavar="MODEL", default=None,
-                   help="export alpha * checkpoint + (1 - alpha) * MODEL (WiSE-FT: a fine-tuned "
-                        "checkpoint moved back toward the model file it started from)")
-    p.add_argument("--alpha", type=float, default=0.5,
-                   help="the checkpoint's weight with --interpolate (default 0.5)")
+    p.add_argument(
+        "--interpolate",
+        metavar="MODEL",
+        default=None,
+        help="export alpha * checkpoint + (1 - alpha) * MODEL (WiSE-FT: a fine-tuned "
+        "checkpoint moved back toward the model file it started from)",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=0.5,
+        help="the checkpoint's weight with --interpolate (default 0.5)",
+    )
     g = p.add_argument_group("consensus index (for --rerank consensus; consensus.py)")
-    g.add_argument("--consensus-root", default=None, metavar="DIR",
-                   help="add an index of this dataset's photos and captions (the training "
-                        "split: the photos whose captions the model learnt from)")
-    g.add_argument("--consensus-dataset", default="flickr8k",
-                   choices=DATASETS, help="its format (default flickr8k)")
+    g.add_argument(
+        "--consensus-root",
+        default=None,
+        metavar="DIR",
+        help="add an index of this dataset's photos and captions (the training "
+        "split: the photos whose captions the model learnt from)",
+    )
+    g.add_argument(
+        "--consensus-dataset",
+        default="flickr8k",
+        choices=DATASETS,
+        help="its format (default flickr8k)",
+    )
     g.add_argument("--consensus-split", default="train", help="its split (default train)")
-    g.add_argument("--consensus-neighbours", type=int, default=None, metavar="K",
-                   help="training photos consulted for each photo (default 60)")
-    g.add_argument("--feature-cache", default=None, metavar="DIR",
-                   help="read the photos' grids from this feature-cache folder (one that sat "
-                        "train wrote under data.feature_cache for this model's encoder) instead "
-                        "of encoding them again; checked against the model on a few photos")
+    g.add_argument(
+        "--consensus-neighbours",
+        type=int,
+        default=None,
+        metavar="K",
+        help="training photos consulted for each photo (default 60)",
+    )
+    g.add_argument(
+        "--feature-cache",
+        default=None,
+        metavar="DIR",
+        help="read the photos' grids from this feature-cache folder (one that sat "
+        "train wrote under data.feature_cache for this model's encoder) instead "
+        "of encoding them again; checked against the model on a few photos",
+    )
     add_decoding_args(p)
     p.set_defaults(func=run)
 
@@ -72,17 +106,25 @@ def run(args: argparse.Namespace) -> int:
         try:
             model.interpolate_(start, args.alpha)
         except ValueError as e:
-            raise ModelFileError(f"cannot interpolate {args.checkpoint} with "
-                                 f"{args.interpolate}: {e}") from None
+            raise ModelFileError(
+                f"cannot interpolate {args.checkpoint} with {args.interpolate}: {e}"
+            ) from None
         info.update(interpolated_with=str(args.interpolate), alpha=args.alpha)
     if args.consensus_root:
         from showattendtell.consensus import build_index
 
         model.consensus = build_index(
-            model, args.consensus_dataset, args.consensus_root, args.consensus_split,
-            args.feature_cache, args.consensus_neighbours)
-        info.update(consensus=f"{args.consensus_dataset} {args.consensus_split} "
-                              f"({len(model.consensus.references)} photos)")
+            model,
+            args.consensus_dataset,
+            args.consensus_root,
+            args.consensus_split,
+            args.feature_cache,
+            args.consensus_neighbours,
+        )
+        info.update(
+            consensus=f"{args.consensus_dataset} {args.consensus_split} "
+            f"({len(model.consensus.references)} photos)"
+        )
     model.check_decoding(decoding)  # e.g. --rerank consensus without an index
     try:
         path = save_model(model, output, decoding, half=args.half, info=info)

@@ -10,11 +10,14 @@ from showattendtell.catalog import ModelNotFound, default_model_path, named_mode
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("models", help="list the models --model can name (bundled, $SAT_MODEL)",
-                       description="List the bundled models and the one $SAT_MODEL points to, "
-                                   "with attention type, encoder, grid, vocabulary size and "
-                                   "stored decoding settings. Any of these names works as "
-                                   "--model NAME.")
+    p = sub.add_parser(
+        "models",
+        help="list the models --model can name (bundled, $SAT_MODEL)",
+        description="List the bundled models and the one $SAT_MODEL points to, "
+        "with attention type, encoder, grid, vocabulary size and "
+        "stored decoding settings. Any of these names works as "
+        "--model NAME.",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per model")
     p.set_defaults(func=run)
 
@@ -42,19 +45,30 @@ def run(args: argparse.Namespace) -> int:
     table = [("name", "attention", "encoder", "grid", "vocabulary", "stored decoding", "path")]
     for d in rows:
         dec = d["decoding"]
-        decoding = (f"beam {dec['beam_size']}, max {dec['max_length']} words"
-                    + (f", hard mode {dec['hard_mode']}" if d["attention"] == "hard" else "")
-                    + (f", length penalty {dec['length_penalty']:g}"
-                       if dec["length_penalty"] else "")
-                    + (f", no repeated {dec['no_repeat_ngram']}-grams"
-                       if dec["no_repeat_ngram"] else "")
-                    + (f", {dec['rerank']} reranking" if dec["rerank"] != "none" else "")
-                    + (f"; consensus index of {d['consensus_photos']} photos"
-                       if d["consensus_photos"] else ""))
+        decoding = (
+            f"beam {dec['beam_size']}, max {dec['max_length']} words"
+            + (f", hard mode {dec['hard_mode']}" if d["attention"] == "hard" else "")
+            + (f", length penalty {dec['length_penalty']:g}" if dec["length_penalty"] else "")
+            + (f", no repeated {dec['no_repeat_ngram']}-grams" if dec["no_repeat_ngram"] else "")
+            + (f", {dec['rerank']} reranking" if dec["rerank"] != "none" else "")
+            + (
+                f"; consensus index of {d['consensus_photos']} photos"
+                if d["consensus_photos"]
+                else ""
+            )
+        )
         g = d["grid"]
-        table.append((d["name"] + (" (default)" if d["default"] else ""), d["attention"],
-                      f"{d['encoder']} {d['input_size']} px", f"{g}x{g}x{d['feature_dim']}",
-                      f"{d['vocab_size']} words", decoding, d["path"]))
+        table.append(
+            (
+                d["name"] + (" (default)" if d["default"] else ""),
+                d["attention"],
+                f"{d['encoder']} {d['input_size']} px",
+                f"{g}x{g}x{d['feature_dim']}",
+                f"{d['vocab_size']} words",
+                decoding,
+                d["path"],
+            )
+        )
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])

@@ -132,26 +132,42 @@ def run_loggers(run: RunConfig, ckpt_path: str | None = None) -> list:
     else:
         import torch
 
-        step = torch.load(ckpt_path, map_location="cpu", weights_only=True,
-                          mmap=True).get("global_step", 0)
-        csv_logger = ContinuedCSVLogger(run.dir, name="logs", version=csv_version,
-                                        from_step=int(step))
+        step = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get(
+            "global_step", 0
+        )
+        csv_logger = ContinuedCSVLogger(
+            run.dir, name="logs", version=csv_version, from_step=int(step)
+        )
     return [csv_logger, TensorBoardLogger(run.dir, name="tb", version=tb_version)]
 
 
 def run_callbacks(run: RunConfig) -> list[L.Callback]:
     folder = f"{run.dir}/checkpoints"
     callbacks: list[L.Callback] = [
-        ModelCheckpoint(dirpath=folder, filename="best-{epoch:02d}", monitor=run.monitor,
-                        mode="max", save_top_k=1),
+        ModelCheckpoint(
+            dirpath=folder,
+            filename="best-{epoch:02d}",
+            monitor=run.monitor,
+            mode="max",
+            save_top_k=1,
+        ),
         ModelCheckpoint(dirpath=folder, filename="last"),  # the latest epoch, for resuming
     ]
     if run.save_every_n_steps:
-        callbacks.append(ModelCheckpoint(dirpath=folder, filename="steps",
-                                         every_n_train_steps=run.save_every_n_steps))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=folder, filename="steps", every_n_train_steps=run.save_every_n_steps
+            )
+        )
     if run.patience is not None:
-        callbacks.append(EarlyStopping(monitor=run.monitor, mode="max", patience=run.patience,
-                                       check_on_train_epoch_end=False))
+        callbacks.append(
+            EarlyStopping(
+                monitor=run.monitor,
+                mode="max",
+                patience=run.patience,
+                check_on_train_epoch_end=False,
+            )
+        )
     return callbacks
 
 
@@ -166,10 +182,18 @@ class SatCLI(LightningCLI):
         parser.link_arguments("model.encoder", "data.encoder", apply_on="parse")
         parser.link_arguments("data.vocab_words", "model.vocab", apply_on="instantiate")
         # a config file's base (config_files.py): build_cli already put it before the file
-        parser.add_argument(f"--{BASE_KEY}", type=str | None, default=None,
-                            help="in a config file: the config it builds on (relative to it)")
-        parser.add_argument("--ckpt_path", type=str | None, default=None,
-                            help="resume training from this checkpoint (e.g. .../last.ckpt)")
+        parser.add_argument(
+            f"--{BASE_KEY}",
+            type=str | None,
+            default=None,
+            help="in a config file: the config it builds on (relative to it)",
+        )
+        parser.add_argument(
+            "--ckpt_path",
+            type=str | None,
+            default=None,
+            help="resume training from this checkpoint (e.g. .../last.ckpt)",
+        )
 
     def before_instantiate_classes(self) -> None:
         # the run's saved config.yaml is the whole resolved config: it builds on no other file
@@ -186,8 +210,7 @@ class SatCLI(LightningCLI):
         run: RunConfig = self._get(self.config_init, "run")
         trainer = self._get(self.config_init, "trainer", default={})
         if trainer.get("logger") in (None, True):
-            kwargs.setdefault("logger",
-                              run_loggers(run, self._get(self.config_init, "ckpt_path")))
+            kwargs.setdefault("logger", run_loggers(run, self._get(self.config_init, "ckpt_path")))
         kwargs["callbacks"] = [*(trainer.get("callbacks") or []), *run_callbacks(run)]
         return super().instantiate_trainer(**kwargs)
 
@@ -208,8 +231,9 @@ class SaveOnInterrupt(L.Callback):
         self.interrupted = False
         self.exit_status = 130  # 128 + SIGINT; 143 (128 + SIGTERM) for SIGTERM
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
         if not isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
             return
         self.interrupted = True
@@ -218,8 +242,11 @@ class SaveOnInterrupt(L.Callback):
         if trainer.global_step == 0:  # stopped before the first step (e.g. caching features)
             return
         ckpt = trainer.checkpoint_callback
-        folder = Path(ckpt.dirpath) if ckpt is not None and ckpt.dirpath else (
-            Path(trainer.default_root_dir) / "checkpoints")
+        folder = (
+            Path(ckpt.dirpath)
+            if ckpt is not None and ckpt.dirpath
+            else (Path(trainer.default_root_dir) / "checkpoints")
+        )
         self.saved = folder / INTERRUPTED_CHECKPOINT
         trainer.save_checkpoint(self.saved)
 
@@ -233,8 +260,10 @@ def _check_config_files(args: list[str]) -> None:
         elif arg.startswith("--config="):
             value = arg.split("=", 1)[1]
         if value is not None and not Path(value).is_file():
-            raise UsageError(f"--config {value}: no such file (the configs are in "
-                                  "configs/, e.g. configs/flickr8k_lite2_soft.yaml)")
+            raise UsageError(
+                f"--config {value}: no such file (the configs are in "
+                "configs/, e.g. configs/flickr8k_lite2_soft.yaml)"
+            )
 
 
 def _run_dir_alias(args: list[str]) -> list[str]:
@@ -255,8 +284,10 @@ def _run_dir_alias(args: list[str]) -> list[str]:
         out.append(arg)
         i += 1
     if given and any(a == "--run.dir" or a.startswith("--run.dir=") for a in args):
-        raise UsageError("--trainer.default_root_dir and --run.dir name the same folder (the "
-                         "run's): give only --run.dir")
+        raise UsageError(
+            "--trainer.default_root_dir and --run.dir name the same folder (the "
+            "run's): give only --run.dir"
+        )
     return out
 
 
@@ -311,12 +342,18 @@ def train(args: list[str]) -> int:
         _finished(cli.trainer, cli.config.ckpt_path)
         return 0
     if on_interrupt.saved is not None:
-        print(f"interrupted at epoch {cli.trainer.current_epoch}, step "
-              f"{cli.trainer.global_step}; saved {on_interrupt.saved}\nresume with:\n  "
-              f"{resume_command(args, on_interrupt.saved)}", file=sys.stderr)
+        print(
+            f"interrupted at epoch {cli.trainer.current_epoch}, step "
+            f"{cli.trainer.global_step}; saved {on_interrupt.saved}\nresume with:\n  "
+            f"{resume_command(args, on_interrupt.saved)}",
+            file=sys.stderr,
+        )
     else:
-        print("interrupted before the first training step; run the same command again to "
-              "start (features cached so far are kept)", file=sys.stderr)
+        print(
+            "interrupted before the first training step; run the same command again to "
+            "start (features cached so far are kept)",
+            file=sys.stderr,
+        )
     return on_interrupt.exit_status
 
 
@@ -335,21 +372,34 @@ def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
     or went past it, so it could only resume an older state of the run."""
     if trainer.global_rank != 0:
         return
-    best = next((c for c in trainer.checkpoint_callbacks
-                 if isinstance(c, ModelCheckpoint) and c.monitor), None)
-    last = next((c for c in trainer.checkpoint_callbacks
-                 if isinstance(c, ModelCheckpoint) and c.filename == "last"), None)
+    best = next(
+        (c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.monitor),
+        None,
+    )
+    last = next(
+        (
+            c
+            for c in trainer.checkpoint_callbacks
+            if isinstance(c, ModelCheckpoint) and c.filename == "last"
+        ),
+        None,
+    )
     lines = [f"finished: {trainer.current_epoch} epochs, {trainer.global_step} steps"]
     if best is not None and best.best_model_path:
         score = best.best_model_score
         where = _shown(best.best_model_path)
-        lines.append(f"best {best.monitor} {float(score):.4f}: {where}" if score is not None
-                     else f"best: {where}")
+        lines.append(
+            f"best {best.monitor} {float(score):.4f}: {where}"
+            if score is not None
+            else f"best: {where}"
+        )
     if last is not None and last.dirpath and (Path(last.dirpath) / "last.ckpt").is_file():
         lines.append(f"last: {_shown(Path(last.dirpath) / 'last.ckpt')}")
     if best is not None and best.best_model_path:
-        lines.append(f"make a model file of the best: sat export "
-                     f"{shlex.quote(_shown(best.best_model_path))} MODEL.safetensors")
+        lines.append(
+            f"make a model file of the best: sat export "
+            f"{shlex.quote(_shown(best.best_model_path))} MODEL.safetensors"
+        )
     folder = Path(last.dirpath) if last is not None and last.dirpath else None
     stale = folder / INTERRUPTED_CHECKPOINT if folder is not None else None
     if stale is not None and stale.is_file():
@@ -357,7 +407,8 @@ def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
 
         resumed = resumed_from is not None and Path(resumed_from).resolve() == stale.resolve()
         step = torch.load(stale, map_location="cpu", weights_only=True, mmap=True).get(
-            "global_step", 0)
+            "global_step", 0
+        )
         if resumed or step <= trainer.global_step:
             stale.unlink()
             lines.append(f"removed {_shown(stale)} (this run went past it)")
@@ -377,12 +428,16 @@ def extract_features(args: list[str]) -> int:
         procs.barrier()
         if found is not None and found[1]:
             cache, todo = found
-            batches, mine = share_batches(len(todo), dm.hparams.extract_batch_size, procs.rank,
-                                          procs.world_size)
+            batches, mine = share_batches(
+                len(todo), dm.hparams.extract_batch_size, procs.rank, procs.world_size
+            )
             procs.share_cores(None)
-            dm.extract_features(cache, [todo[i] for g in mine for i in batches[g]],
-                                procs.device(accelerator),
-                                writer=f"-r{procs.rank:03d}" if procs.world_size > 1 else "")
+            dm.extract_features(
+                cache,
+                [todo[i] for g in mine for i in batches[g]],
+                procs.device(accelerator),
+                writer=f"-r{procs.rank:03d}" if procs.world_size > 1 else "",
+            )
         procs.barrier()
         if procs.rank == 0:
             dm.log_cache()
