@@ -14,19 +14,18 @@ from showattendtell.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def tiny_train(data_root, *extra: str, cache: bool = True) -> list[str]:
+    """`sat train` of configs/tiny.yaml on ``data_root`` (with its feature cache in ./cache
+    unless ``cache`` is False), then ``extra``."""
+    args = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.root", str(data_root)]
+    return [*args, *(["--data.feature_cache", "cache"] if cache else []), *extra]
+
+
 @pytest.fixture(scope="module")
 def trained_run(synthetic_flickr, tmp_path_factory):
     """configs/tiny.yaml writes under runs/tiny relative to the working directory."""
     work = tmp_path_factory.mktemp("work")
-    args = [
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        "--data.root",
-        str(synthetic_flickr),
-        "--data.feature_cache",
-        "cache",
-    ]
+    args = tiny_train(synthetic_flickr)
     old = os.getcwd()
     os.chdir(work)
     try:
@@ -248,17 +247,7 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(
         else:
             os.kill(proc.pid, signal.SIGTERM)
 
-    args = [
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        "--data.root",
-        str(synthetic_flickr),
-        "--data.feature_cache",
-        "cache",
-        "--trainer.max_epochs",
-        "100000",
-    ]
+    args = tiny_train(synthetic_flickr, "--trainer.max_epochs", "100000")
     # so many epochs that only Ctrl-C ends the run: a fast machine ran 200 tiny epochs in the
     # second this test waits before it presses Ctrl-C
     proc = subprocess.Popen(
@@ -411,23 +400,7 @@ def train_tiny(data_root: Path, work: Path, *extra: str) -> Path:
     old = os.getcwd()
     os.chdir(work)
     try:
-        assert (
-            main(
-                [
-                    "train",
-                    "--config",
-                    str(ROOT / "configs" / "tiny.yaml"),
-                    "--data.root",
-                    str(data_root),
-                    "--data.feature_cache",
-                    "cache",
-                    "--trainer.max_epochs",
-                    "1",
-                    *extra,
-                ]
-            )
-            == 0
-        )
+        assert main(tiny_train(data_root, "--trainer.max_epochs", "1", *extra)) == 0
     finally:
         os.chdir(old)
     return work / "runs" / "tiny" / "checkpoints"
@@ -476,20 +449,7 @@ def test_export_checks_its_output_before_reading_the_checkpoint(tiny_model_file,
 def test_train_checks_the_run_folder_before_any_work(synthetic_flickr, tmp_path, capsys):
     (tmp_path / "notes").write_text("a file\n")
     run_dir = tmp_path / "notes" / "run"
-    assert (
-        main(
-            [
-                "train",
-                "--config",
-                str(ROOT / "configs" / "tiny.yaml"),
-                "--data.root",
-                str(synthetic_flickr),
-                "--run.dir",
-                str(run_dir),
-            ]
-        )
-        == 2
-    )
+    assert main(tiny_train(synthetic_flickr, "--run.dir", str(run_dir), cache=False)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: cannot create the folder for --run.dir")
     assert str(run_dir) in err[-1] and not any("Traceback" in line for line in err)
@@ -497,19 +457,12 @@ def test_train_checks_the_run_folder_before_any_work(synthetic_flickr, tmp_path,
 
 def test_trainer_default_root_dir_is_the_run_folder(synthetic_flickr, tmp_path, capsys):
     """Lightning's usual option names the run folder, as --run.dir does."""
-    tiny = [
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        "--data.root",
-        str(synthetic_flickr),
-        "--trainer.max_epochs",
-        "1",
-        "--trainer.limit_train_batches",
-        "2",
-        "--trainer.limit_val_batches",
-        "1",
-    ]
+    tiny = tiny_train(
+        synthetic_flickr,
+        *("--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2"),
+        *("--trainer.limit_val_batches", "1"),
+        cache=False,
+    )
     run_dir = tmp_path / "elsewhere"
     assert main([*tiny, "--trainer.default_root_dir", str(run_dir)]) == 0
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
