@@ -69,8 +69,8 @@ def open_image(
     transparency (composited on white). Anything else raises ImageError. ``min_size``: a JPEG
     may be decoded at 1/2, 1/4 or 1/8 of its size as long as both sides stay >= min_size
     (libjpeg's DCT scaling, PIL's ``draft``, as ``Image.thumbnail`` does), several times faster
-    for a phone photo; photos under
-    twice min_size on a side (COCO's, Flickr's) decode at full size.
+    for a phone photo; photos under twice min_size on a side (COCO's, Flickr's) decode at full
+    size.
     """
     if isinstance(source, Image.Image):
         img = source
@@ -182,10 +182,8 @@ def resize(img: Image.Image, input_size: int) -> torch.Tensor:
     x = x.permute(2, 0, 1).unsqueeze(0)  # (1, C, H, W), channels-last in memory
     if x.shape[-2:] == (input_size, input_size):
         return x[0]
-    native = torch.backends.cpu.get_cpu_capability() in (
-        "AVX2",
-        "AVX512",
-    ) or platform.machine() in ("aarch64", "arm64")
+    vectorised = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    native = vectorised or platform.machine() in ("aarch64", "arm64")
     y = torch.nn.functional.interpolate(
         x if native else x.float(),
         size=[input_size] * 2,
