@@ -7,7 +7,7 @@ the main process decodes the batch on the GPU.
 
 Everything else is decoded on the CPU as before (``images.load_image``): PNG, WebP, HEIC..., and
 the JPEGs nvJPEG would decode differently or not at all: progressive, CMYK/YCCK, 12-bit. A JPEG
-that fails on the GPU is decoded on the CPU from the same bytes, so one bad file changes nothing
+that fails on the GPU is decoded on the CPU as any other file, so one bad file changes nothing
 for the others. The photo comes out as ``open_image`` makes it: upright (EXIF orientation),
 RGB, then resized as ``images.resize`` does (bilinear, antialiased, rounded to uint8); the GPU
 decodes the full image where the CPU path may use libjpeg's reduced-size decoding, so pixels can
@@ -25,11 +25,8 @@ from PIL import Image
 
 from showattendtell.images import (
     MAX_PIXELS,
-    ImageError,
     LoadedImage,
     load_image,
-    open_image,
-    resize,
     size_warning,
 )
 
@@ -102,7 +99,7 @@ def decode_jpegs(
     items: list[LoadedImage], input_size: int, device: torch.device
 ) -> list[torch.Tensor | None]:
     """The (3, S, S) uint8 images of ``items`` (each holding a JPEG's bytes) on ``device``,
-    decoded in batches there; a photo that fails is decoded on the CPU from its bytes, and one
+    decoded in batches there; a photo that fails is decoded on the CPU (``load_image``), and one
     that fails there too gets its ``error`` set and None."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -132,14 +129,10 @@ def _one(item: LoadedImage, device: torch.device, decode_jpeg, mode) -> torch.Te
 def _finish(
     item: LoadedImage, img: torch.Tensor | None, input_size: int, device: torch.device
 ) -> torch.Tensor | None:
-    """Upright and resized, or the CPU's decoding of the same bytes where the GPU failed."""
+    """Upright and resized, or where the GPU failed, what the CPU path makes of the file
+    (``load_image``: its tensor, or its error record)."""
     if img is not None:
         return resize_on_device(upright(img, item.orientation), input_size)
-    try:  # what the CPU path makes of the file, error message included
-        pil = open_image(bytes(item.jpeg.numpy()), min_size=input_size)
-        return resize(pil, input_size).to(device)
-    except ImageError as e:
-        item.error = str(e).removeprefix("the image: ")
-    except Exception as e:  # noqa: BLE001 - a decoder bug on one file must not stop the run
-        item.error = f"{type(e).__name__}: {e}".strip()
-    return None
+    fallback = load_image(item.path, input_size, item.index, normalised=False)
+    item.error = fallback.error
+    return None if fallback.tensor is None else fallback.tensor.to(device)
