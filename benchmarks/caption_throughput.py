@@ -56,13 +56,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rate(fn: Callable[[], int], device: torch.device) -> float:
-    """Images/s of one run of ``fn`` (which returns how many images it did)."""
+def rate(fn: Callable[[], Any], device: torch.device, running: bool = False) -> float:
+    """Images/s of one run of ``fn``, which returns how many images it did, or (how many, when
+    its first batch was done, how many by then). ``running``: the rate from the first batch
+    on (a run's start, its decoding processes starting up, is then left out: on a GPU with 120
+    photos it would be most of the run, and `sat caption` pays it once per run)."""
     sync(device)
     t0 = time.perf_counter()
-    n = fn()
+    out = fn()
     sync(device)
-    return n / (time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    n, first_s, first_n = out if isinstance(out, tuple) else (out, None, 0)
+    if running and first_s is not None and n >= 4 * first_n:  # a few batches after the first
+        return (n - first_n) / (t1 - first_s)
+    return n / (t1 - t0)
+
+
+def cycled(paths: list[str], count: int) -> list[str]:
+    """``paths`` repeated until there are at least ``count`` of them."""
+    return (paths * max(1, -(-count // max(1, len(paths)))))[: max(count, len(paths))]
 
 
 def end_to_end(
@@ -72,19 +84,29 @@ def end_to_end(
     workers: int,
     beam_size: int,
     lanes: int,
-) -> int:
-    """What `sat caption -o FILE` does, with the lines written to /dev/null."""
+    jpeg_on_device: bool = False,
+) -> tuple[int, float | None, int]:
+    """What `sat caption -o FILE` does, with the lines written to /dev/null. Returns how many
+    photos, and when (``time.perf_counter``) the first batch was written and how many by then."""
     with open(os.devnull, "wb", buffering=0) as sink:
         writer = Writer("jsonl", False, sink)
-        n = 0
+        n, first_s, first_n = 0, None, 0
         for rec in caption_files(
-            captioner, paths, batch_size, workers, lanes=lanes, beam_size=beam_size
+            captioner,
+            paths,
+            batch_size,
+            workers,
+            lanes=lanes,
+            jpeg_on_device=jpeg_on_device,
+            beam_size=beam_size,
         ):
             if rec.result is None:
                 raise SystemExit(f"{rec.path}: {rec.error}")
             writer.write(rec)
             n += 1
-    return n
+            if first_s is None and n >= min(batch_size, len(paths)):
+                first_s, first_n = time.perf_counter(), n
+    return n, first_s, first_n
 
 
 def encoder_alone(captioner: Captioner, batches: list[torch.Tensor], lanes: int = 1) -> int:
@@ -160,7 +182,12 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 def profile_run(
-    captioner: Captioner, paths: list[str], batch_size: int, workers: int, beam_size: int
+    captioner: Captioner,
+    paths: list[str],
+    batch_size: int,
+    workers: int,
+    beam_size: int,
+    jpeg_on_device: bool = False,
 ) -> dict[str, float]:
     """One end-to-end run, one batch at a time (1 lane, so that the stages add up to the wall
     time), with every main-process stage timed, in ms per image; the workers' CPU time is what
@@ -172,7 +199,13 @@ def profile_run(
         writer = Writer("jsonl", False, sink)
         write = timers.wrap("JSON lines", writer.write)
         for rec in caption_files(
-            captioner, paths, batch_size, workers, lanes=1, beam_size=beam_size
+            captioner,
+            paths,
+            batch_size,
+            workers,
+            lanes=1,
+            jpeg_on_device=jpeg_on_device,
+            beam_size=beam_size,
         ):
             write(rec)
     wall = time.perf_counter() - t0
@@ -257,6 +290,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds; medians are reported")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N images")
+    ap.add_argument(
+        "--min-batches",
+        type=int,
+        default=None,
+        help="repeat the images until a run has this many batches (default: 16 on a GPU, "
+        "where one batch of 120 photos takes milliseconds; 1 on a CPU)",
+    )
     ap.add_argument("--latency-images", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument(
@@ -278,6 +318,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the search's strategy (default: by device; decoding._fixed)",
     )
     ap.add_argument(
+        "--decode-on",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="where JPEGs are decoded, as sat caption's --decode-on (gpu: nvJPEG, CUDA only)",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="also print where the time of a greedy and a beam-3 run goes",
@@ -291,14 +337,16 @@ def measure_rounds(
     """Warm-up, single-image latencies, then ``repeats`` rounds of (encoder, greedy, beam 3,
     encoder[, encoder in lanes]) images/s."""
     dev = captioner.device
+    gpu_jpeg = args.decode_on == "gpu"
     # warm-up: worker start, allocator, kernels (cuDNN autotuning on a GPU)
     warm = paths[: args.batch_size]
-    end_to_end(captioner, warm, args.batch_size, args.workers, 1, lanes)
-    end_to_end(captioner, warm, args.batch_size, args.workers, 3, lanes)
+    end_to_end(captioner, warm, args.batch_size, args.workers, 1, lanes, gpu_jpeg)
+    end_to_end(captioner, warm, args.batch_size, args.workers, 3, lanes, gpu_jpeg)
     latencies_ms(captioner, paths[:2], 3)
 
     lat = latencies_ms(captioner, paths[: args.latency_images], 3)
-    tensors = [captioner.preprocess(p) for p in paths]
+    decoded = {p: captioner.preprocess(p) for p in dict.fromkeys(paths)}  # each photo once
+    tensors = [decoded[p] for p in paths]
     batches = [
         torch.stack(tensors[i : i + args.batch_size]).to(dev)
         for i in range(0, len(tensors), args.batch_size)
@@ -306,13 +354,14 @@ def measure_rounds(
     encoder_alone(captioner, batches[:2], lanes)
     timed = [
         lambda: encoder_alone(captioner, batches),
-        lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1, lanes),
-        lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 3, lanes),
+        lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 1, lanes, gpu_jpeg),
+        lambda: end_to_end(captioner, paths, args.batch_size, args.workers, 3, lanes, gpu_jpeg),
         lambda: encoder_alone(captioner, batches),
     ]
     if lanes > 1:  # in 1 lane it is the same measurement as the one before
         timed.append(lambda: encoder_alone(captioner, batches, lanes))
-    return lat, [tuple(rate(fn, dev) for fn in timed) for _ in range(args.repeats)]
+    running = args.workers > 0
+    return lat, [tuple(rate(fn, dev, running) for fn in timed) for _ in range(args.repeats)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = [str(p) for p in list_images(args.images)][: args.limit]
     if not paths:
         raise SystemExit(f"no images in {args.images}")
+    if args.min_batches is None:  # on a GPU a few batches would time mostly their start
+        args.min_batches = 16 if args.device == "cuda" else 1
+    paths = cycled(paths, args.min_batches * args.batch_size)
     captioner = load_model(args.model, args.device, args.precision)
     captioner.model.search_strategy = args.search
     dev = captioner.device
@@ -336,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     profiles = {}
     if args.profile:
         profiles = {
-            name: profile_run(captioner, paths, args.batch_size, args.workers, beam)
+            name: profile_run(
+                captioner, paths, args.batch_size, args.workers, beam, args.decode_on == "gpu"
+            )
             for name, beam in (("greedy", 1), ("beam 3", 3))
         }
         decode_ms = decode_cost_ms(paths, captioner.input_size)
@@ -345,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": captioner.name,
         "input_size": captioner.input_size,
         "images": len(paths),
+        "rate_from": "first batch" if args.workers > 0 else "start",
         "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
         "cpu_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
@@ -354,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "lanes": lanes,
         "precision": args.precision,
         "search": args.search,
+        "decode_on": args.decode_on,
         "repeats": args.repeats,
         "latency_p50_ms": round(float(np.percentile(lat, 50)), 1),
         "latency_p95_ms": round(float(np.percentile(lat, 95)), 1),

@@ -21,6 +21,7 @@ import time
 import torch
 
 from showattendtell.decoder import Decoder, DecoderConfig
+from showattendtell.graphed import GraphedLoss
 from showattendtell.losses import hard_attention_loss, soft_attention_loss
 
 try:
@@ -116,6 +117,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="our forward pass through torch.compile (the fixed-shape recurrence, unrolled)",
     )
+    p.add_argument(
+        "--no-graphs",
+        action="store_true",
+        help="on a GPU, run our step without CUDA graphs (graphed.py), kernel by kernel",
+    )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-baseline", action="store_true", help="skip the peer")
     p.add_argument(
@@ -126,9 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def train_step(model: torch.nn.Module, loss_fn, device: torch.device, precision: str):
-    """One optimiser step of ``model`` on ``loss_fn()``, under autocast for bf16."""
-    opt = torch.optim.Adam(model.parameters(), lr=2e-4)
+def train_step(
+    model: torch.nn.Module, loss_fn, device: torch.device, precision: str, fused: bool = False
+):
+    """One optimiser step of ``model`` on ``loss_fn()``, under autocast for bf16. ``fused``:
+    Adam's update as one kernel per parameter group (what `sat train` uses on a GPU)."""
+    opt = torch.optim.Adam(model.parameters(), lr=2e-4, fused=fused or None)
 
     def step() -> None:
         with torch.autocast(device.type, torch.bfloat16, enabled=precision == "bf16"):
@@ -154,16 +163,29 @@ def main(argv: list[str] | None = None) -> dict:
     forward = dec
     if args.compile:  # compiled once for these shapes: the same T every step
         fixed, forward = True, torch.compile(dec)
+    graphs = device.type == "cuda" and not args.no_graphs and not args.compile
 
-    def ours() -> torch.Tensor:
+    def loss(decoder, feats, caps, lengths) -> tuple[torch.Tensor]:
         if args.attention == "soft":
-            return soft_attention_loss(forward(feats, caps, lengths, fixed_shape=fixed), B).loss
+            out = decoder(feats, caps, lengths, fixed_shape=fixed)
+            return (soft_attention_loss(out, B).loss,)
         # the REINFORCE pass (the expected-context pass costs the same as soft)
-        out = forward(feats, caps, lengths, mode="sample", fixed_shape=fixed)
-        return hard_attention_loss(out, B, 0.0).loss
+        out = decoder(feats, caps, lengths, mode="sample", fixed_shape=fixed)
+        return (hard_attention_loss(out, B, 0.0).loss,)
+
+    if graphs:  # the forward and backward as CUDA graphs, as `sat train` runs them there
+        fixed, graphed = True, GraphedLoss(dec, loss)
+
+        def ours() -> torch.Tensor:
+            return graphed(feats, caps, lengths)[0]
+    else:
+
+        def ours() -> torch.Tensor:
+            return loss(forward, feats, caps, lengths)[0]
 
     peak = matmul_gflops(device, [int(n) for n in args.matmul_sizes.split(",")])
-    t_fast = time_steps(train_step(dec, ours, device, args.precision), device, 2, args.reps)
+    step = train_step(dec, ours, device, args.precision, fused=device.type == "cuda")
+    t_fast = time_steps(step, device, 2, args.reps)
     t_peer = None
     if not args.no_baseline:
         peer = PeerDecoder(args.attention_dim, args.embed_dim, args.hidden_dim, V, D).to(device)
@@ -181,8 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
         "batch": B,
         "vocab": V,
         "precision": args.precision,
-        "strategy": "fixed" if args.compile else args.strategy,
+        "strategy": "fixed" if args.compile or graphs else args.strategy,
         "compiled": args.compile,
+        "cuda_graphs": graphs,
         "tokens_per_step": n_tokens,
         "step_ms": round(t_fast * 1000, 1),
         "tokens_per_s": round(tok_s, 1),

@@ -36,6 +36,7 @@ from showattendtell.attention import (
     sample_locations,
 )
 from showattendtell.settings import CONTEXT_MODES  # noqa: F401 - a step's attention modes
+from showattendtell.vocab import END
 
 
 @dataclass
@@ -60,15 +61,23 @@ class DecoderConfig:
 
 @dataclass
 class TeacherForcedOutput:
-    """Everything the losses need; token tensors are packed (time-major, captions by length)."""
+    """Everything the losses need. Token tensors are time-major: packed (the N real tokens,
+    captions by length) from the shrinking recurrence, or all B x T positions with
+    ``token_mask`` from the fixed-shape one (no host synchronisation to pick the real ones)."""
 
-    logits: torch.Tensor  # (N, V) for the N real tokens
+    logits: torch.Tensor  # (N, V)
     targets: torch.Tensor  # (N,)
     caption_index: torch.Tensor  # (N,) which caption (original order) each token belongs to
     alphas: torch.Tensor  # (B, T, L), zero after a caption's end
     location_log_prob: torch.Tensor | None  # (B,) sum_t log alpha_{t, s_t} (hard only)
     entropy: torch.Tensor | None  # (B,) sum_t H[alpha_t] (hard only)
     locations: torch.Tensor | None  # (B, T) sampled s_t, -1 after the end (hard only)
+    token_mask: torch.Tensor | None = None  # (N,) True for real tokens; None: all are real
+
+    @property
+    def n_tokens(self) -> torch.Tensor | int:
+        """The real tokens' count (a tensor where it is masked: no host synchronisation)."""
+        return self.targets.numel() if self.token_mask is None else self.token_mask.sum()
 
 
 @dataclass
@@ -364,7 +373,9 @@ class Decoder(nn.Module):
         mode: str,
         locations: torch.Tensor | None,
     ) -> TeacherForcedOutput:
-        """All B captions for all T steps, a loss mask after each caption's end."""
+        """All B captions for all T steps, a loss mask after each caption's end: the same
+        shapes for every batch of one (B, T), no host synchronisation anywhere (so the whole
+        step can be one CUDA graph: graphed.py)."""
         B, T = caps.size(0), caps.size(1) - 1
         live = torch.arange(T, device=a.device) < lengths.unsqueeze(1)  # (B, T)
         emb, gate_x, projected, h, c = self._inputs(a, caps, T)
@@ -379,29 +390,30 @@ class Decoder(nn.Module):
             alphas.append(alpha)
             ss.append(s)
         alphas_bt = torch.stack(alphas, 1) * live.unsqueeze(2).to(alphas[0].dtype)  # (B, T, L)
-        # the real tokens, time-major (the packed order): one host synchronisation per batch
-        sel = live.t().reshape(-1).nonzero().squeeze(1)  # t * B + b
 
-        def tokens(x: torch.Tensor) -> torch.Tensor:  # (B, T, ...) -> (N, ...)
-            return x.transpose(0, 1).reshape(B * T, *x.shape[2:])[sel]
+        def tokens(x: torch.Tensor) -> torch.Tensor:  # (B, T, ...) -> (T * B, ...), time-major
+            return x.transpose(0, 1).reshape(B * T, *x.shape[2:])
 
         logits = self.deep_output(
             tokens(emb), tokens(torch.stack(hs, 1)), tokens(torch.stack(zs, 1))
-        )  # (N, V)
+        )  # (T * B, V): every position, the padding masked in the losses
         hard = ss[0] is not None
         if hard:
             s_bt = torch.stack(ss, 1)  # (B, T)
             logp_s = torch.log(alphas_bt.gather(2, s_bt.unsqueeze(2)).squeeze(2).clamp_min(1e-12))
             logp_s = logp_s * live
             ents = attention_entropy(alphas_bt.flatten(0, 1)).view(B, T)  # 0 after the end
+        # <end> as the padding's target: a word no loss bans, so every term stays finite
+        targets = caps[:, 1 : T + 1].masked_fill(~live, END)
         return TeacherForcedOutput(
             logits=logits,
-            targets=tokens(caps[:, 1 : T + 1]),
-            caption_index=sel % B,
+            targets=tokens(targets),
+            caption_index=torch.arange(B, device=a.device).repeat(T),
             alphas=alphas_bt,
             location_log_prob=logp_s.sum(1) if hard else None,
             entropy=ents.sum(1) if hard else None,
             locations=s_bt.masked_fill(~live, -1) if hard else None,
+            token_mask=tokens(live),
         )
 
     def _forward_packed(

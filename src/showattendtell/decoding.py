@@ -46,11 +46,9 @@ class Hypothesis:
 
 def banned_tokens(vocab_size: int, device, allow_unk: bool = False) -> torch.Tensor:
     """(V,) True for the tokens no caption may contain: <pad>, <start> (and <unk>)."""
-    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    mask[[PAD, START]] = True
-    if not allow_unk:
-        mask[UNK] = True
-    return mask
+    ids = torch.arange(vocab_size, device=device)  # compared, not indexed with a host list:
+    mask = (ids == PAD) | (ids == START)  # no host-to-device copy (a CUDA graph records none)
+    return mask if allow_unk else mask | (ids == UNK)
 
 
 def _block_repeats(logp: torch.Tensor, histories: torch.Tensor, n: int) -> torch.Tensor:
@@ -95,20 +93,53 @@ def _repeat_matches(histories: torch.Tensor, n: int):
     return (windows == histories[:, t - n + 1 :].unsqueeze(1)).all(2), following
 
 
-SEARCH_STRATEGIES = ("auto", "shrink", "fixed")
+SEARCH_STRATEGIES = ("auto", "shrink", "fixed", "graph")
 
 
-def _fixed(strategy: str, device: torch.device) -> bool:
-    """Which search runs. "shrink": finished rows leave the batch (the least arithmetic: the
-    fastest on a CPU). "fixed": every row runs every step, finished ones masked, with no host
-    synchronisation inside the loop (a GPU waits for none of it, and a step keeps its shapes
-    for CUDA graphs and torch.compile). "auto": fixed on a GPU, shrink on a CPU. Both give the
-    same hypotheses (tests/test_decoding.py)."""
+def _fixed(strategy: str, device: torch.device) -> str | None:
+    """Which search runs: None for "shrink", else "fixed" or "graph".
+
+    "shrink": finished rows leave the batch (the least arithmetic: the fastest on a CPU).
+    "fixed": every row runs every step, finished ones masked, with no host synchronisation
+    inside the loop (a GPU waits for none of it, and a step keeps its shapes). "graph": the
+    fixed loop recorded once per batch size as a CUDA graph and replayed (``_graphed``): on a
+    GPU the host launching the loop's few hundred small kernels one by one takes longer than the
+    GPU running them. "auto": graph on a GPU, shrink on a CPU. All give the same hypotheses
+    (tests/test_decoding.py)."""
     if strategy not in SEARCH_STRATEGIES:
         raise ValueError(
             f"search strategy must be one of {', '.join(SEARCH_STRATEGIES)}, not {strategy!r}"
         )
-    return strategy == "fixed" or (strategy == "auto" and device.type != "cpu")
+    if strategy == "auto":
+        return None if device.type == "cpu" else ("graph" if device.type == "cuda" else "fixed")
+    return None if strategy == "shrink" else strategy
+
+
+def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *options):
+    """``fn(annotations)`` (a fixed-shape loop, start included) replayed as the decoder's CUDA
+    graph for this batch size and these options. The batch is padded up to a power of two
+    (with empty grids, whose rows are dropped after), so that batches of any size share a
+    few graphs. Returns ``fn``'s outputs for the real rows, off the graph's own tensors.
+
+    Where there is no CUDA graph to record (a CPU: the tests) the padded batch goes through
+    ``fn`` itself: the same padding, the same results."""
+    from showattendtell.graphed import GraphedFunction
+
+    B = annotations.size(0)
+    padded = 1 << (B - 1).bit_length()
+    if padded > B:
+        annotations = F.pad(annotations, (0, 0, 0, 0, 0, padded - B))
+    if annotations.device.type != "cuda":
+        outputs = fn(annotations)
+    else:
+        graph = decoder.__dict__.setdefault("_search_graphs", {}).setdefault(
+            name, GraphedFunction(fn)
+        )
+        graph.fn = fn  # records what a new key needs: the same code, this call's options
+        # the weights' versions too: tables derived from them are recorded in the graph
+        weights = tuple((p.data_ptr(), p._version) for p in decoder.parameters())
+        outputs = graph(annotations, key=(*options, weights))
+    return tuple(o[:B] for o in outputs)
 
 
 class _Masks:
@@ -154,13 +185,21 @@ def greedy_decode(
     ``_fixed``. The words, maps and log-probabilities go into preallocated tensors, one indexed
     write per step, read back to Python once at the end.
     """
-    loop = _greedy_fixed_loop if _fixed(strategy, annotations.device) else _greedy_shrink_loop
-    state = decoder.start(annotations, word_gates=True)
-    tokens, logps, alphas, locs = loop(
-        decoder, state, annotations, max_length, hard_mode, allow_unk, no_repeat_ngram
-    )
-    if loop is _greedy_fixed_loop:  # the maps to the host in one copy, not one per caption
-        alphas = alphas.cpu()
+    how = _fixed(strategy, annotations.device)
+    options = (max_length, hard_mode, allow_unk, no_repeat_ngram)
+    if how is None:
+        state = decoder.start(annotations, word_gates=True)
+        tokens, logps, alphas, locs = _greedy_shrink_loop(decoder, state, annotations, *options)
+    else:
+
+        def run(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = _greedy_fixed_loop(decoder, decoder.start(a, word_gates=True), a, *options)
+            return out if out[3] is not None else out[:3]
+
+        out = _graphed(decoder, "greedy", run, annotations, *options) if how == "graph" else None
+        tokens, logps, alphas, *locs = out or run(annotations)
+        locs = locs[0] if locs else None
+        alphas = alphas.cpu()  # the maps to the host in one copy, not one per caption
     lengths = (tokens != END).sum(1).tolist()  # <end> once, at the end: words before it
     token_lists, logp_list = tokens.tolist(), logps.tolist()
     loc_lists = locs.tolist() if locs is not None else None
@@ -284,11 +323,20 @@ def beam_search(
     The first word is predicted once per image (its K beams would be identical) and each
     image's grid is stored once for its K beams (DecoderState.beams).
     """
-    loop = _beam_fixed_loop if _fixed(strategy, annotations.device) else _beam_shrink_loop
-    state = decoder.start(annotations, word_gates=True)  # a row per image
-    finished = loop(
-        decoder, state, annotations, beam_size, max_length, hard_mode, allow_unk, no_repeat_ngram
-    )
+    how = _fixed(strategy, annotations.device)
+    options = (beam_size, max_length, hard_mode, allow_unk, no_repeat_ngram)
+    if how is None:
+        state = decoder.start(annotations, word_gates=True)  # a row per image
+        finished = _beam_shrink_loop(decoder, state, annotations, *options)
+    else:
+
+        def run(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            pool, count = _beam_fixed_steps(decoder, decoder.start(a, word_gates=True), a, *options)
+            return (count, *(p for p in pool if p is not None))
+
+        out = _graphed(decoder, "beam", run, annotations, *options) if how == "graph" else None
+        count, *pool = out or run(annotations)
+        finished = _beam_finished(pool, count, beam_size)
 
     def norm(logp: float, n: int) -> float:
         return logp / (n**length_penalty) if length_penalty else logp
@@ -356,16 +404,13 @@ def _beam_shrink_loop(decoder, state, annotations, K, max_length, hard_mode, all
     return finished
 
 
-def _beam_fixed_loop(decoder, state, annotations, K, max_length, hard_mode, allow_unk, ngram):
-    """``_beam_shrink_loop``'s finished captions from ``_beam_fixed_steps``: one copy to the
-    host after the loop."""
-    pool, count = _beam_fixed_steps(
-        decoder, state, annotations, K, max_length, hard_mode, allow_unk, ngram
-    )
-    p_tokens, p_logp, p_len, p_alpha, p_loc = pool
+def _beam_finished(pool: list[torch.Tensor], count: torch.Tensor, K: int) -> list[list[tuple]]:
+    """``_beam_shrink_loop``'s finished captions from ``_beam_fixed_steps``'s pool (tokens,
+    log p, lengths, maps[, locations]) and counts: one copy to the host."""
+    p_tokens, p_logp, p_len, p_alpha, *p_loc = pool
     p_alpha = p_alpha.cpu()  # one copy of every finished caption's maps, not one per caption
     tokens, logps, lengths = p_tokens.tolist(), p_logp.tolist(), p_len.tolist()
-    locs = p_loc.tolist() if p_loc is not None else None
+    locs = p_loc[0].tolist() if p_loc else None
     return [
         [
             (

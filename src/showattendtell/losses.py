@@ -15,6 +15,8 @@ def _per_caption(
     out: TeacherForcedOutput, batch_size: int, token_values: torch.Tensor
 ) -> torch.Tensor:
     """Sums of per-token values (N,) by caption, (B,): padding never enters."""
+    if out.token_mask is not None:  # all positions of a fixed-shape pass: drop the padding's
+        token_values = token_values.masked_fill(~out.token_mask, 0.0)
     return torch.zeros(batch_size, device=token_values.device).index_add(
         0, out.caption_index, token_values
     )
@@ -75,7 +77,7 @@ def soft_attention_loss(
         loss = loss + lam * doubly_stochastic_penalty(out.alphas).mean()
     if entropy:
         loss = loss + entropy * attention_entropy_per_caption(out.alphas).mean()
-    return LossTerms(loss, -ll.sum() / out.targets.numel(), ll)
+    return LossTerms(loss, -ll.sum() / out.n_tokens, ll)
 
 
 def hard_attention_loss(
@@ -105,7 +107,7 @@ def hard_attention_loss(
         baseline = leave_one_out_mean(ll.detach(), samples)
     reward = (ll.detach() - baseline) * reward_scale
     objective = ll + reward * out.location_log_prob + entropy_weight * out.entropy
-    return LossTerms(-objective.mean(), -ll.sum() / out.targets.numel(), ll)
+    return LossTerms(-objective.mean(), -ll.sum() / out.n_tokens, ll)
 
 
 def leave_one_out_mean(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -148,4 +150,4 @@ def self_critical_loss(
     loss = -(advantage * log_prob).mean()
     if entropy:
         loss = loss + entropy * attention_entropy_per_caption(out.alphas).mean()
-    return LossTerms(loss, -ll.sum() / out.targets.numel(), ll)
+    return LossTerms(loss, -ll.sum() / out.n_tokens, ll)

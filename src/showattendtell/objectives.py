@@ -415,7 +415,7 @@ class SelfCritical(Objective):
 def _mean_word_entropy(out: TeacherForcedOutput) -> torch.Tensor:
     """Mean H(alpha_t) over the words of a batch (one attention map per target token): logged,
     so that a run shows how sharp its attention is (log L = uniform)."""
-    return attention_entropy_per_caption(out.alphas.detach()).sum() / out.targets.numel()
+    return attention_entropy_per_caption(out.alphas.detach()).sum() / out.n_tokens
 
 
 def make_objective(config: ObjectiveConfig, attention: str, max_length: int) -> Objective:

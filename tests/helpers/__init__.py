@@ -45,3 +45,22 @@ def feats(B=5, L=9, D=12, seed=0):
 def encode_captions(vocab, captions):
     ids = [torch.tensor(vocab.encode(c)) for c in captions]
     return pad_sequence(ids, batch_first=True), torch.tensor([len(i) - 1 for i in ids])
+
+
+HOST_SYNCS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+def count_host_syncs(monkeypatch) -> list[str]:
+    """Record every call that copies a tensor's value to the host (and so waits for a GPU):
+    the returned list fills as they happen. What a CUDA graph cannot hold."""
+    calls: list[str] = []
+    for name in HOST_SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: calls.append("torch.nonzero"))
+    return calls

@@ -1,0 +1,181 @@
+"""Fixed-shape GPU work replayed as CUDA graphs: the training step's forward and backward
+(``GraphedLoss``) and the search (``GraphedFunction``, used by decoding.py).
+
+Why: on a GPU the decoder is thousands of small kernels (a few dozen per word, and per
+direction in training), and the host launching them one by one, not the GPU's arithmetic, sets
+the time (benchmarks/README.md, "gpu_report.py"). A CUDA graph replays all of them with one
+launch. For training, ``torch.cuda.make_graphed_callables`` records the forward and the backward
+once, on a sample batch, and gives back a callable that autograd treats as one operation: the
+gradients reach the parameters as usual, so Lightning's backward, gradient clipping and
+optimiser step run unchanged outside the graph.
+
+What a graph needs, and how the callers give it:
+- the same shapes every call: the fixed-shape recurrence and search, captions padded to a
+  fixed length (``pad_captions``), a search batch padded to a power of two;
+- no host synchronisation inside: the fixed-shape pass masks the padding instead of selecting
+  the real tokens, and the losses take the mask (losses.py);
+- inputs copied into the graph's own tensors, and outputs copied out before the next replay
+  (both classes do it).
+Random numbers (dropout, sampled locations) are drawn afresh at every replay: CUDA graphs
+advance the generator's offset each time.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from showattendtell.vocab import PAD
+
+MAX_GRAPHS = 4  # search graphs kept at once, per decoder and search (batch sizes, options)
+
+
+def pad_captions(captions: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, T+1) captions padded with <pad> to (B, length), so that every batch has one shape."""
+    if captions.size(1) > length:
+        raise ValueError(f"captions of {captions.size(1)} tokens do not fit {length}")
+    return F.pad(captions, (0, length - captions.size(1)), value=PAD)
+
+
+class _Call(nn.Module):
+    """``fn(module, *inputs)`` as a module: make_graphed_callables graphs modules, and collects
+    the parameters whose gradients the backward graph computes from them."""
+
+    def __init__(self, module: nn.Module, fn: Callable[..., tuple[torch.Tensor, ...]]):
+        super().__init__()
+        self.module, self.fn = module, fn
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.fn(self.module, *inputs))
+
+
+class GraphedLoss:
+    """``fn(module, *inputs) -> (loss, *logs)`` with its forward and backward as CUDA graphs:
+    recorded at the first call, replayed at every later call with the same key (the inputs'
+    shapes, dtypes and ``requires_grad``, the autocast state, train or eval mode). A call with
+    another key (an epoch's last, smaller batch) runs ``fn`` directly, with the same values.
+    ``fn`` must keep to what a graph allows (fixed shapes, no host synchronisation, no Python
+    branch on a tensor's value); its outputs are tensors, the first one differentiable.
+
+    One graph only, recorded first: recording needs every earlier autograd graph that reaches
+    the parameters gone (its gradient accumulators are tied to the stream they ran on, and a
+    recording on another one fails), and before the first training step there is none. If
+    recording fails all the same, training goes on without graphs after one warning.
+    """
+
+    def __init__(self, module: nn.Module, fn: Callable[..., tuple[torch.Tensor, ...]]):
+        self.call = _Call(module, fn)
+        self.key: tuple | None = None
+        self.graphed: nn.Module | None = None
+        self.failed = False
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if inputs[0].device.type != "cuda":  # nothing to record: fn itself (tests run this)
+            return self.call(*inputs)
+        amp = torch.is_autocast_enabled("cuda")
+        dtype = torch.get_autocast_dtype("cuda") if amp else None
+        key = (
+            *((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs),
+            dtype,
+            self.call.module.training,
+        )
+        if self.key is None and not self.failed:
+            self.key = key
+            try:
+                self.graphed = self._record(inputs, amp, dtype)
+            except RuntimeError as e:  # torch.AcceleratorError included
+                self.failed = True
+                warnings.warn(
+                    f"training without CUDA graphs: recording one failed "
+                    f"({str(e).splitlines()[0]})",
+                    stacklevel=2,
+                )
+        if self.graphed is None or key != self.key:
+            return self.call(*inputs)
+        # the graph's output tensors are overwritten by the next replay: hand out copies
+        return tuple(o.clone() for o in self.graphed(*inputs))
+
+    def _record(self, inputs: tuple[torch.Tensor, ...], amp: bool, dtype) -> nn.Module:
+        sample = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
+        call = _Call(self.call.module, self.call.fn).train(self.call.module.training)
+        # The recording's gradient accumulators run on its side stream and later backward
+        # passes on the default one, as make_graphed_callables intends; autograd would warn
+        # of that at every run (one line about streams that a user cannot act on).
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+        with autocast_nocache(amp, dtype):
+            return torch.cuda.make_graphed_callables(call, sample, allow_unused_input=True)
+
+
+class GraphedObjective:
+    """A training objective ``(model, annotations, batch) -> (loss, logs)`` that reads only the
+    batch's captions and lengths, through ``GraphedLoss``: captions padded to ``tokens``
+    (None: as they come), so that every full batch has the shape of the recorded one."""
+
+    def __init__(self, objective: Callable, model: nn.Module, tokens: int | None):
+        self.tokens, self.names = tokens, []
+
+        def fn(decoder, annotations, captions, lengths):
+            loss, logs = objective(model, annotations, {"captions": captions, "lengths": lengths})
+            self.names = list(logs)
+            return (loss, *logs.values())
+
+        self.loss = GraphedLoss(model.decoder, fn)
+
+    def __call__(self, annotations: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
+        captions = batch["captions"]
+        if self.tokens is not None and captions.size(1) <= self.tokens:
+            captions = pad_captions(captions, self.tokens)
+        loss, *logs = self.loss(annotations, captions, batch["lengths"])
+        return loss, dict(zip(self.names, logs, strict=True))
+
+
+class GraphedFunction:
+    """``fn(*inputs) -> tensors`` without autograd (the search), run as CUDA graphs: recorded
+    at the first call with each new key (the inputs' shapes and dtypes, the autocast state and
+    the caller's ``key``), replayed after. Callers in several threads (the web service) take
+    turns: a replay overwrites the graph's tensors, so each call returns copies of them."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]):
+        self.fn = fn
+        self.graphs: dict[tuple, tuple] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, *inputs: torch.Tensor, key: tuple = ()) -> tuple[torch.Tensor, ...]:
+        amp = torch.is_autocast_enabled("cuda")
+        dtype = torch.get_autocast_dtype("cuda") if amp else None
+        full = (*((tuple(x.shape), x.dtype) for x in inputs), dtype, *key)
+        with self.lock:
+            entry = self.graphs.get(full)
+            if entry is None:
+                if len(self.graphs) >= MAX_GRAPHS:
+                    self.graphs.pop(next(iter(self.graphs)))
+                entry = self.graphs[full] = self._record(inputs, amp, dtype)
+            graph, static_inputs, static_outputs = entry
+            for x, s in zip(inputs, static_inputs, strict=True):
+                s.copy_(x)
+            graph.replay()
+            return tuple(o.clone() for o in static_outputs)
+
+    def _record(self, inputs: tuple[torch.Tensor, ...], amp: bool, dtype) -> tuple:
+        static = tuple(x.clone() for x in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), autocast_nocache(amp, dtype):
+            for _ in range(2):  # warm-up off the capture: cuBLAS handles, lazy tables
+                self.fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), autocast_nocache(amp, dtype):
+            outputs = tuple(self.fn(*static))
+        return graph, static, outputs
+
+
+def autocast_nocache(enabled: bool, dtype) -> torch.autocast:
+    """The caller's CUDA autocast state with its weight cache off: a graph must cast the
+    weights inside itself, not read a cast made outside it (or freed with it)."""
+    return torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False)

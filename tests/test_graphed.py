@@ -1,0 +1,100 @@
+"""The training step as CUDA graphs needs: fixed shapes (captions padded to one length give the
+same loss), no host synchronisation in the forward pass and the losses, and the wrapper's
+plumbing (on a CPU it runs the objective itself; tests/gpu: on a GPU, recorded and replayed)."""
+
+import pytest
+import torch
+from helpers import count_host_syncs, make_batch, small_decoder
+
+from showattendtell.graphed import GraphedObjective, pad_captions
+from showattendtell.losses import hard_attention_loss, soft_attention_loss
+from showattendtell.objectives import MaximumLikelihood
+
+
+class Model(torch.nn.Module):  # what an objective reads of the CaptionModel
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+
+class FixedShape(torch.nn.Module):  # the recurrence a GPU runs, on a CPU
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, *args, **kwargs):
+        return self.decoder(*args, fixed_shape=True, **kwargs)
+
+
+def loss_and_grads(dec, a, caps, lengths, fixed_shape, attention="soft", locs=None):
+    out = dec(
+        a,
+        caps,
+        lengths,
+        mode="forced" if attention == "hard" else "expectation",
+        locations=locs,
+        fixed_shape=fixed_shape,
+    )
+    if attention == "hard":
+        terms = hard_attention_loss(out, a.size(0), 0.1)
+    else:
+        terms = soft_attention_loss(out, a.size(0), lam=1.0, entropy=0.1, label_smoothing=0.1)
+    return terms, torch.autograd.grad(terms.loss, list(dec.parameters()))
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_captions_padded_to_one_length_give_the_same_loss_and_gradients(attention):
+    a, caps, lengths = make_batch(B=5, T=8)
+    locs = torch.randint(0, a.size(1), (5, 13), generator=torch.Generator().manual_seed(1))
+    dec = small_decoder(attention=attention, seed=3)
+    padded = pad_captions(caps, 14)
+    assert padded.shape == (5, 14) and torch.equal(padded[:, :9], caps)
+    packed, g_packed = loss_and_grads(dec, a, caps, lengths, False, attention, locs[:, :8])
+    fixed, g_fixed = loss_and_grads(dec, a, padded, lengths, True, attention, locs)
+    assert torch.allclose(fixed.loss, packed.loss, atol=1e-6)
+    assert torch.allclose(fixed.nll, packed.nll, atol=1e-6)
+    assert torch.allclose(fixed.log_likelihood, packed.log_likelihood, atol=1e-5)
+    for x, y in zip(g_fixed, g_packed, strict=True):
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_captions_longer_than_the_padded_length_are_refused():
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_captions(torch.zeros(2, 9, dtype=torch.long), 8)
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_fixed_shape_training_pass_never_waits_for_the_device(monkeypatch, attention):
+    """The forward pass and the losses read no value back to the host: a CUDA graph can hold
+    them (the backward pass is autograd's, in C++)."""
+    a, caps, lengths = make_batch(B=4, T=6)
+    dec = small_decoder(attention=attention)
+    calls = count_host_syncs(monkeypatch)
+    out = dec(a, caps, lengths, mode="sample" if attention == "hard" else "expectation",
+              fixed_shape=True)  # fmt: skip
+    if attention == "hard":
+        hard_attention_loss(out, 4, 0.1).loss.backward()
+    else:
+        soft_attention_loss(out, 4, 1.0, 0.1, 0.1).loss.backward()
+    batch = {"captions": caps, "lengths": lengths}
+    MaximumLikelihood(attention_entropy=0.1)(Model(FixedShape(dec)), a, batch)
+    assert calls == []
+    dec(a, caps, lengths, fixed_shape=False)  # the shrinking recurrence: counted
+    assert calls
+
+
+def test_graphed_objective_gives_the_objectives_loss_logs_and_gradients():
+    a, caps, lengths = make_batch(B=4, T=6)
+    model, objective = Model(small_decoder(seed=5)), MaximumLikelihood(attention_entropy=0.1)
+    batch = {"captions": caps, "lengths": lengths}
+    loss, logs = objective(model, a, batch)
+    expected = torch.autograd.grad(loss, list(model.parameters()))
+    for tokens in (None, 12):
+        got, got_logs = GraphedObjective(objective, model, tokens)(a, batch)
+        assert torch.allclose(got, loss, atol=1e-6)
+        assert list(got_logs) == list(logs)
+        for k, v in logs.items():
+            assert torch.allclose(got_logs[k], v, atol=1e-6), k
+        grads = torch.autograd.grad(got, list(model.parameters()))
+        for x, y in zip(grads, expected, strict=True):
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-6)
