@@ -312,3 +312,26 @@ def test_folder_scans_count_what_they_skip(tmp_path):
     found = list_images([tmp_path], skipped=skipped)
     assert [p.name for p in found] == ["a.jpg", "b.heic"]
     assert skipped == {".txt": 2, ".pdf": 1, "": 1}  # hidden files are not counted
+
+
+def test_a_decoding_process_is_quiet_once_the_main_process_has_gone(monkeypatch, capsys):
+    """After `kill` of `sat caption`, a worker's queue thread meets a closed connection: no
+    traceback for that, one for anything else."""
+    import multiprocessing.queues
+
+    from showattendtell.images import quiet_when_orphaned
+
+    queue = multiprocessing.queues.Queue
+    monkeypatch.setattr(queue, "_on_queue_feeder_error", queue._on_queue_feeder_error)
+    quiet_when_orphaned(0)
+    for error in (ConnectionResetError(104, "reset"), BrokenPipeError(32, "pipe")):
+        try:
+            raise error
+        except OSError as e:
+            queue._on_queue_feeder_error(e, None)
+    assert capsys.readouterr().err == ""
+    try:
+        raise ValueError("cannot pickle")
+    except ValueError as e:
+        queue._on_queue_feeder_error(e, None)
+    assert "ValueError: cannot pickle" in capsys.readouterr().err

@@ -386,5 +386,24 @@ def load_batches(
         pin_memory=pin_memory,
         prefetch_factor=4 if workers else None,
         persistent_workers=False,
+        worker_init_fn=quiet_when_orphaned,
     )
     yield from loader
+
+
+def quiet_when_orphaned(worker_id: int) -> None:
+    """In a decoding process: say nothing when the main process has gone (Ctrl-C, `kill`).
+
+    A worker's queue thread that finds the connection to its parent closed prints a traceback
+    (multiprocessing's ``_on_queue_feeder_error``), which a user would read as a crash after the
+    run's own last word; the worker exits right after all the same. Other errors still print.
+    """
+    import multiprocessing.queues
+
+    shown = multiprocessing.queues.Queue._on_queue_feeder_error
+
+    def feeder_error(e: BaseException, obj: object) -> None:
+        if not isinstance(e, (BrokenPipeError, ConnectionError, EOFError)):
+            shown(e, obj)
+
+    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(feeder_error)
