@@ -98,3 +98,25 @@ def test_graphed_objective_gives_the_objectives_loss_logs_and_gradients():
         grads = torch.autograd.grad(got, list(model.parameters()))
         for x, y in zip(grads, expected, strict=True):
             assert torch.allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_a_search_graph_that_cannot_be_recorded_runs_the_search_itself():
+    """Recording needs a CUDA GPU (and the GPU to itself): if it fails, one warning, then the
+    function runs directly, with its own results."""
+    from showattendtell.graphed import GraphedFunction
+
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return (x * 2, x.sum(0))
+
+    graphed = GraphedFunction(fn)
+    x = torch.arange(6.0).view(3, 2)
+    with pytest.warns(UserWarning, match="without CUDA graphs"):
+        first = graphed(x, key=("a",))
+    again = graphed(x, key=("b",))
+    assert graphed.failed and graphed.graphs == {}
+    for got in (first, again):
+        assert torch.equal(got[0], x * 2) and torch.equal(got[1], x.sum(0))
+    assert len(calls) >= 2

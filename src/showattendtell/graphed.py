@@ -144,6 +144,7 @@ class GraphedFunction:
         self.fn = fn
         self.graphs: dict[tuple, tuple] = {}
         self.lock = threading.Lock()
+        self.failed = False  # a recording failed: ``fn`` runs directly from then on
 
     def __call__(self, *inputs: torch.Tensor, key: tuple = ()) -> tuple[torch.Tensor, ...]:
         amp = torch.is_autocast_enabled("cuda")
@@ -151,10 +152,20 @@ class GraphedFunction:
         full = (*((tuple(x.shape), x.dtype) for x in inputs), dtype, *key)
         with self.lock:
             entry = self.graphs.get(full)
-            if entry is None:
+            if entry is None and not self.failed:
                 if len(self.graphs) >= MAX_GRAPHS:
                     self.graphs.pop(next(iter(self.graphs)))
-                entry = self.graphs[full] = self._record(inputs, amp, dtype)
+                try:
+                    entry = self.graphs[full] = self._record(inputs, amp, dtype)
+                except RuntimeError as e:  # torch.AcceleratorError included
+                    self.failed = True
+                    warnings.warn(
+                        f"running without CUDA graphs: recording one failed "
+                        f"({str(e).splitlines()[0]})",
+                        stacklevel=2,
+                    )
+            if entry is None:
+                return tuple(self.fn(*inputs))
             graph, static_inputs, static_outputs = entry
             for x, s in zip(inputs, static_inputs, strict=True):
                 s.copy_(x)

@@ -153,6 +153,9 @@ def encode_files(
     device = torch.device(device)
     workers = default_workers(device) if workers is None else workers
     lanes = default_lanes(device) if lanes is None else lanes
+    if device.type == "cuda":  # one batch at a time: the GPU runs one batch's kernels at a
+        lanes = 1  # time anyway, and a CUDA graph being recorded (decoding.py) must have the
+        # GPU to itself (another thread's kernels would break the recording)
     pin = device.type == "cuda"
 
     def run(batch: ImageBatch) -> tuple[ImageBatch, Any]:

@@ -144,8 +144,8 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
         "--lanes",
         type=int,
         default=None,
-        help="batches captioned at once, each on its share of the threads (default: "
-        "2 on a CPU with 2 or more threads, else 1)",
+        help="batches captioned at once on a CPU, each on its share of the threads (default: "
+        "2 with 2 or more threads, else 1); a GPU takes one batch at a time",
     )
 
 
