@@ -77,6 +77,98 @@ def test_cider_d_gives_the_same_scores_from_concurrent_threads():
         np.testing.assert_array_equal(a, b)
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    ),
+]
+
+
+def _index_with_captionless_photos(rng: np.random.Generator) -> ConsensusIndex:
+    """40 photos: 8 without captions (0-7), one with an empty caption among its own (8)."""
+    references = [[] for _ in range(8)] + [random_captions(rng, 5) for _ in range(32)]
+    references[8] = ["", *references[8][:2]]
+    return ConsensusIndex(torch.randn(40, 8), references, neighbours=6)
+
+
+def _beams(rng: np.random.Generator, photos: int, beam: int) -> list[list[str]]:
+    """Each photo's candidates as a beam leaves them: ``beam`` captions, or fewer (one photo
+    none), with an empty caption and captions of words no training caption has."""
+    out = [random_captions(rng, int(rng.integers(1, beam + 1))) for _ in range(photos)]
+    out[0] = []
+    if photos > 1:
+        out[1] = ["", "zebra", "zebra zebra on the moon"][:beam]
+    if photos > 2:
+        out[2][0] = f"a zebra {out[2][0]} {out[2][0]}"  # unknown and known n-grams, repeated
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("beam", [1, 3, 5])
+def test_batched_cider_d_is_cider_d_photo_by_photo(device, beam):
+    rng = np.random.default_rng(beam)
+    index = _index_with_captionless_photos(rng)
+    for photos in (1, 2, 7, 32):
+        near = np.stack([rng.choice(40, size=6, replace=False) for _ in range(photos)])
+        near[-1] = rng.permutation(8)[:6]  # the last photo's neighbours have no captions
+        candidates = _beams(rng, photos, beam)
+        batched = index.cider_d_batch(candidates, torch.as_tensor(near, device=device))
+        assert len(batched) == photos
+        for b, (ours, c) in enumerate(zip(batched, candidates, strict=True)):
+            assert isinstance(ours, np.ndarray) and ours.shape == (len(c),)
+            expected = index.cider_d(c, near[b]) if c else np.zeros(0)
+            np.testing.assert_allclose(ours, expected, rtol=1e-9, atol=1e-12, err_msg=str(b))
+        assert not batched[-1].any()  # no captions: no opinion
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_cider_d_without_anything_to_match(device):
+    index = _index_with_captionless_photos(np.random.default_rng(3))
+    near = torch.arange(12, device=device).view(2, 6)
+    assert index.cider_d_batch([], near[:0]) == []
+    for candidates in ([[], []], [["zebra", ""], ["moon zebra"]]):  # none, none known
+        out = index.cider_d_batch(candidates, near)
+        assert [s.tolist() for s in out] == [[0.0] * len(c) for c in candidates]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rerank_scores_each_photo_against_its_nearest_photos(device):
+    """``rerank`` (all photos at once) gives each photo the scores and so the order that
+    ``cider_d`` gives against its ``nearest`` photos, one photo at a time."""
+    rng = np.random.default_rng(4)
+    index = _index_with_captionless_photos(rng)
+    embeddings = torch.randn(24, 8, device=device)
+    candidates = _beams(rng, 24, 5)
+    near = index.nearest(embeddings).cpu().numpy()
+    scores = index.rerank(embeddings, candidates)
+    for b, (ours, c) in enumerate(zip(scores, candidates, strict=True)):
+        expected = index.cider_d(c, near[b]) if c else np.zeros(0)
+        np.testing.assert_allclose(ours, expected, rtol=1e-9, atol=1e-12)
+        assert np.argsort(-ours, kind="stable").tolist() == (
+            np.argsort(-expected, kind="stable").tolist()
+        )
+    assert index.rerank(embeddings[:0], []) == []
+
+
+def test_batched_cider_d_from_concurrent_threads():
+    """The pipeline's lanes rerank at the same time, the first of them while the index's
+    device tables are being made."""
+    rng = np.random.default_rng(5)
+    index = _index_with_captionless_photos(rng)
+    jobs = [
+        (_beams(rng, 6, 3), np.stack([rng.choice(40, size=6, replace=False) for _ in range(6)]))
+        for _ in range(40)
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(
+            pool.map(lambda job: index.cider_d_batch(job[0], torch.tensor(job[1])), jobs)
+        )
+    for (candidates, near), scores in zip(jobs, together, strict=True):
+        for c, n, s in zip(candidates, near, scores, strict=True):
+            np.testing.assert_allclose(s, index.cider_d(c, n) if c else [], rtol=1e-9)
+
+
 def test_nearest_photos_by_cosine_of_the_pooled_grids():
     embeddings = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.0]])
     index = ConsensusIndex(embeddings, [["x"]] * 4, neighbours=2)
