@@ -206,3 +206,20 @@ def test_lanes_get_balanced_batches_from_the_pipeline(tiny_model_file, tmp_path)
         )
     ]
     assert sizes == [4, 3, 2]  # not 4, 4, 1
+
+
+def test_on_a_gpu_the_main_process_keeps_few_cpu_threads():
+    """Spinning torch threads in the main process starved the decoding processes on a GPU
+    machine: while a GPU captions, torch keeps GPU_HOST_THREADS; on a CPU, all of them."""
+    from showattendtell.pipeline import GPU_HOST_THREADS, host_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(GPU_HOST_THREADS + 2)
+    try:
+        with host_threads(torch.device("cuda")):
+            assert torch.get_num_threads() == GPU_HOST_THREADS
+        assert torch.get_num_threads() == GPU_HOST_THREADS + 2
+        with host_threads(torch.device("cpu")):
+            assert torch.get_num_threads() == GPU_HOST_THREADS + 2
+    finally:
+        torch.set_num_threads(before)

@@ -149,6 +149,13 @@ class ConsensusIndex:
         self._local = threading.local()
         self._on_device: dict[str, dict[str, torch.Tensor]] = {}  # device -> tables there
 
+    def to(self, device: torch.device | str) -> ConsensusIndex:
+        """The photos' embeddings on ``device`` (in place; returns self): on a GPU the nearest
+        photos of a batch (reranking, familiarity) are one matmul there, not a multi-threaded
+        one on the host that competes with the photo-decoding processes for the cores."""
+        self.embeddings = self.embeddings.to(device)
+        return self
+
     @staticmethod
     def pool(annotations: torch.Tensor) -> torch.Tensor:
         """A photo's embedding from its grid: (B, L, D) -> (B, D), the mean over locations."""
@@ -464,8 +471,9 @@ class ConsensusIndex:
         """(tensors, JSON-able description) for model_file.save_model. The unit rows are stored
         as int8 with a scale per row: half of float16's 15 MB for Flickr8k's 6000 x 1280, and
         99.5 % of the dev photos' 60 neighbours unchanged (model card)."""
-        scales = self.embeddings.abs().amax(1).clamp_min(1e-12) / 127  # (N,)
-        codes = torch.round(self.embeddings / scales[:, None]).to(torch.int8)  # (N, D)
+        embeddings = self.embeddings.cpu()
+        scales = embeddings.abs().amax(1).clamp_min(1e-12) / 127  # (N,)
+        codes = torch.round(embeddings / scales[:, None]).to(torch.int8)  # (N, D)
         return (
             {"embeddings": codes.contiguous(), "scales": scales.float().contiguous()},
             {"neighbours": self.neighbours, "references": self.references},

@@ -111,11 +111,11 @@ class Familiarity:
         picks = np.unique(np.linspace(0, n - 1, min(n, CALIBRATION_PHOTOS)).round().astype(int))
         out = []
         for lo in range(0, len(picks), _CHUNK):
-            chosen = torch.as_tensor(picks[lo : lo + _CHUNK])
+            chosen = torch.as_tensor(picks[lo : lo + _CHUNK], device=rows.device)
             sims = rows[chosen] @ rows.T  # (c, N)
-            sims[torch.arange(len(chosen)), chosen] = -torch.inf  # not its own neighbour
+            sims[torch.arange(len(chosen), device=rows.device), chosen] = -torch.inf  # not itself
             out.append(sims.topk(self.neighbours, dim=1).values.mean(1))
-        return np.sort(torch.cat(out).double().numpy())
+        return np.sort(torch.cat(out).double().cpu().numpy())
 
     def calibrate(self, similarity: np.ndarray) -> np.ndarray:
         """Similarities -> familiarity in [0, 1]: the empirical CDF of the reference."""

@@ -22,6 +22,7 @@ advance the generator's offset each time.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 from collections.abc import Callable
@@ -33,6 +34,11 @@ from torch import nn
 from showattendtell.vocab import PAD
 
 MAX_GRAPHS = 4  # search graphs kept at once, per decoder and search (batch sizes, options)
+MAX_FAILURES = 3  # recordings that may fail before a search runs without graphs for good
+# Other threads may use the GPU while a graph records: the DataLoader's pin-memory thread pins
+# the next batches meanwhile. CUDA's default ("global") mode forbids that and the recording
+# fails; "thread_local" forbids the unsafe calls in the recording thread only.
+CAPTURE_MODE = "thread_local"
 
 
 def pad_captions(captions: torch.Tensor, length: int) -> torch.Tensor:
@@ -108,7 +114,12 @@ class GraphedLoss:
         # of that at every run (one line about streams that a user cannot act on).
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
         with autocast_nocache(amp, dtype):
-            return torch.cuda.make_graphed_callables(call, sample, allow_unused_input=True)
+            return torch.cuda.make_graphed_callables(
+                call,
+                sample,
+                allow_unused_input=True,
+                **_capture_mode(torch.cuda.make_graphed_callables),
+            )
 
 
 class GraphedObjective:
@@ -144,7 +155,7 @@ class GraphedFunction:
         self.fn = fn
         self.graphs: dict[tuple, tuple] = {}
         self.lock = threading.Lock()
-        self.failed = False  # a recording failed: ``fn`` runs directly from then on
+        self.failures = 0  # recordings that failed; MAX_FAILURES: ``fn`` runs directly for good
 
     def __call__(self, *inputs: torch.Tensor, key: tuple = ()) -> tuple[torch.Tensor, ...]:
         amp = torch.is_autocast_enabled("cuda")
@@ -152,18 +163,19 @@ class GraphedFunction:
         full = (*((tuple(x.shape), x.dtype) for x in inputs), dtype, *key)
         with self.lock:
             entry = self.graphs.get(full)
-            if entry is None and not self.failed:
+            if entry is None and self.failures < MAX_FAILURES:
                 if len(self.graphs) >= MAX_GRAPHS:
                     self.graphs.pop(next(iter(self.graphs)))
                 try:
                     entry = self.graphs[full] = self._record(inputs, amp, dtype)
                 except RuntimeError as e:  # torch.AcceleratorError included
-                    self.failed = True
-                    warnings.warn(
-                        f"running without CUDA graphs: recording one failed "
-                        f"({str(e).splitlines()[0]})",
-                        stacklevel=2,
-                    )
+                    self.failures += 1
+                    if self.failures == MAX_FAILURES:
+                        warnings.warn(
+                            f"running without CUDA graphs: recording one failed "
+                            f"{MAX_FAILURES} times ({str(e).splitlines()[0]})",
+                            stacklevel=2,
+                        )
             if entry is None:
                 return tuple(self.fn(*inputs))
             graph, static_inputs, static_outputs = entry
@@ -181,9 +193,23 @@ class GraphedFunction:
                 self.fn(*static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), autocast_nocache(amp, dtype):
+        with (
+            torch.cuda.graph(graph, **_capture_mode(torch.cuda.graph)),
+            autocast_nocache(amp, dtype),
+        ):
             outputs = tuple(self.fn(*static))
         return graph, static, outputs
+
+
+def _capture_mode(record: Callable) -> dict:
+    """``capture_error_mode=CAPTURE_MODE`` where ``record`` takes it (newer torch's
+    make_graphed_callables does; without it a recording may fail and training runs without
+    graphs)."""
+    return (
+        {"capture_error_mode": CAPTURE_MODE}
+        if "capture_error_mode" in inspect.signature(record).parameters
+        else {}
+    )
 
 
 def autocast_nocache(enabled: bool, dtype) -> torch.autocast:

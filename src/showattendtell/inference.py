@@ -104,6 +104,8 @@ class Captioner:
         self.device = resolve_device(device)
         self.autocast = autocast_dtype(precision, self.device)
         self.model = model.to(self.device).eval()
+        if model.consensus is not None:  # not a module: moved by hand
+            model.consensus.to(self.device)
         self.decoding, self.name = decoding, name
 
     def _autocast(self):
