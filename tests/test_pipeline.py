@@ -223,3 +223,21 @@ def test_on_a_gpu_the_main_process_keeps_few_cpu_threads():
             assert torch.get_num_threads() == GPU_HOST_THREADS + 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_one_batch_is_decoded_here_without_starting_worker_processes(
+    tiny_model_file, tmp_path, monkeypatch
+):
+    """`sat caption photo.jpg` on a GPU machine forked 15 decoding processes for one photo:
+    with one batch there is nothing to decode ahead, so none start; with two, they do."""
+    seen = []
+    real = pipeline.load_batches
+    monkeypatch.setattr(
+        pipeline, "load_batches", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw)
+    )
+    captioner = load_model(tiny_model_file, "cpu")
+    paths = write_photos(tmp_path, 3)
+    for batch_size in (3, 2):
+        records = list(caption_files(captioner, paths, batch_size, workers=2, beam_size=1))
+        assert [r.path for r in records] == paths
+    assert seen == [0, 2]

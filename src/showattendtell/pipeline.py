@@ -171,6 +171,8 @@ def encode_files(
     once. ``jpeg_on_device``: JPEGs are decoded in batches on ``device`` (``jpeg_device``)."""
     device = torch.device(device)
     workers = default_workers(device) if workers is None else workers
+    if len(paths) <= batch_size:  # one batch: nothing to decode ahead, and starting the
+        workers = 0  # processes (forks of this one, 16 on a GPU machine) costs seconds
     lanes = default_lanes(device) if lanes is None else lanes
     if device.type == "cuda":  # one batch at a time: the GPU runs one batch's kernels at a
         lanes = 1  # time anyway, and a CUDA graph being recorded (decoding.py) must have the
