@@ -120,3 +120,17 @@ def test_a_search_graph_that_cannot_be_recorded_runs_the_search_itself():
     assert graphed.failures == MAX_FAILURES and graphed.graphs == {}
     for got in results:
         assert torch.equal(got[0], x * 2) and torch.equal(got[1], x.sum(0))
+
+
+def test_search_graphs_are_dropped_when_the_weights_change():
+    """Between validations the weights change: the graphs recorded against the old ones (and
+    the GPU memory they hold) go, rather than waiting to be evicted."""
+    from showattendtell.graphed import GraphedFunction
+
+    graphed = GraphedFunction(lambda x: (x,))
+    graphed.forget_unless(("weights", 1))
+    graphed.graphs[("batch 128",)] = ("a recorded graph",)
+    graphed.forget_unless(("weights", 1))
+    assert ("batch 128",) in graphed.graphs
+    graphed.forget_unless(("weights", 2))
+    assert graphed.graphs == {} and graphed.state == ("weights", 2)

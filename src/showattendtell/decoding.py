@@ -136,9 +136,10 @@ def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *option
             name, GraphedFunction(fn)
         )
         graph.fn = fn  # records what a new key needs: the same code, this call's options
-        # the weights' versions too: tables derived from them are recorded in the graph
-        weights = tuple((p.data_ptr(), p._version) for p in decoder.parameters())
-        outputs = graph(annotations, key=(*options, weights))
+        # new weights (training, between validations): the graphs hold tables derived from the
+        # old ones (the word-gate table), so they are dropped and recorded again
+        graph.forget_unless(tuple((p.data_ptr(), p._version) for p in decoder.parameters()))
+        outputs = graph(annotations, key=options)
     return tuple(o[:B] for o in outputs)
 
 

@@ -156,6 +156,15 @@ class GraphedFunction:
         self.graphs: dict[tuple, tuple] = {}
         self.lock = threading.Lock()
         self.failures = 0  # recordings that failed; MAX_FAILURES: ``fn`` runs directly for good
+        self.state: tuple | None = None  # what the graphs were recorded against (forget_unless)
+
+    def forget_unless(self, state: tuple) -> None:
+        """Drop every graph (and the GPU memory it holds) unless they were recorded against
+        ``state``, which then becomes theirs: e.g. the weights' versions."""
+        with self.lock:
+            if state != self.state:
+                self.graphs.clear()
+                self.state = state
 
     def __call__(self, *inputs: torch.Tensor, key: tuple = ()) -> tuple[torch.Tensor, ...]:
         amp = torch.is_autocast_enabled("cuda")
