@@ -69,36 +69,41 @@ def test_grouped_beams_attend_as_rows_with_their_own_grid_copies():
 
 def test_fixed_shape_training_gives_the_shrinking_batch_values_and_gradients():
     """Decoder.forward's two recurrences, hard attention with forced locations and both
-    attends: the same losses' terms, alphas, locations and gradients."""
+    attends: the same losses' terms, alphas, locations and gradients; the fixed one also with
+    the captions padded to a longer length (as CUDA graphs get them: graphed.pad_captions)."""
+    from showattendtell.graphed import pad_captions
     from showattendtell.losses import hard_attention_loss, soft_attention_loss
 
     a, caps, lengths = make_batch(B=6, T=9, L=7, D=12)
-    locs = torch.randint(0, 7, (6, 9), generator=torch.Generator().manual_seed(3))
+    locs = torch.randint(0, 7, (6, 13), generator=torch.Generator().manual_seed(3))
     for attention, attend in (("hard", "before"), ("hard", "after"), ("soft", "before")):
         dec = small_decoder(attention=attention, attend=attend, seed=7)
         outs, grads = [], []
-        for fixed in (False, True):
+        for fixed, tokens in ((False, 10), (True, 10), (True, 14)):
             out = dec(
                 a,
-                caps,
+                pad_captions(caps, tokens),
                 lengths,
                 mode="forced" if attention == "hard" else "expectation",
                 locations=locs,
                 fixed_shape=fixed,
             )
-            loss = (
-                hard_attention_loss(out, 6, 0.1).loss
+            terms = (
+                hard_attention_loss(out, 6, 0.1)
                 if attention == "hard"
-                else soft_attention_loss(out, 6, lam=1.0, entropy=0.1).loss
+                else soft_attention_loss(out, 6, lam=1.0, entropy=0.1, label_smoothing=0.1)
             )
-            outs.append((out, loss))
-            grads.append(torch.autograd.grad(loss, list(dec.parameters())))
-        (x, lx), (y, ly) = outs
-        assert torch.allclose(lx, ly, atol=1e-6)
-        assert torch.allclose(x.alphas, y.alphas, atol=1e-6)
-        if attention == "hard":
-            assert torch.equal(x.locations, y.locations)
-            assert torch.allclose(x.location_log_prob, y.location_log_prob, atol=1e-5)
-            assert torch.allclose(x.entropy, y.entropy, atol=1e-5)
-        for (name, _), gx, gy in zip(dec.named_parameters(), *grads, strict=True):
-            assert torch.allclose(gx, gy, rtol=1e-4, atol=1e-6), name
+            outs.append((out, terms))
+            grads.append(torch.autograd.grad(terms.loss, list(dec.parameters())))
+        x, lx = outs[0]
+        for (y, ly), g in zip(outs[1:], grads[1:], strict=True):
+            assert torch.allclose(lx.loss, ly.loss, atol=1e-6)
+            assert torch.allclose(lx.nll, ly.nll, atol=1e-6)
+            assert torch.allclose(lx.log_likelihood, ly.log_likelihood, atol=1e-5)
+            assert torch.allclose(x.alphas, y.alphas[:, : x.alphas.size(1)], atol=1e-6)
+            if attention == "hard":
+                assert torch.equal(x.locations, y.locations[:, : x.locations.size(1)])
+                assert torch.allclose(x.location_log_prob, y.location_log_prob, atol=1e-5)
+                assert torch.allclose(x.entropy, y.entropy, atol=1e-5)
+            for (name, _), gx, gy in zip(dec.named_parameters(), grads[0], g, strict=True):
+                assert torch.allclose(gx, gy, rtol=1e-4, atol=1e-6), name
