@@ -315,7 +315,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--search",
         default="auto",
         choices=SEARCH_STRATEGIES,
-        help="the search's strategy (default: by device; decoding._fixed)",
+        help="the search's strategy (default: by device; decoding._strategy)",
     )
     ap.add_argument(
         "--decode-on",

@@ -38,7 +38,7 @@ def assert_same_hypotheses(fast, slow):
             assert torch.allclose(f.alphas, s.alphas, atol=1e-6)
 
 
-STRATEGIES = ["shrink", "fixed", "graph"]  # decoding._fixed (graph: padded, on a CPU ungraphed)
+STRATEGIES = ["shrink", "fixed", "graph"]  # decoding._strategy (graph: padded, on a CPU ungraphed)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -96,7 +96,7 @@ def _repeat_matches(histories: torch.Tensor, n: int):
 SEARCH_STRATEGIES = ("auto", "shrink", "fixed", "graph")
 
 
-def _fixed(strategy: str, device: torch.device) -> str | None:
+def _strategy(strategy: str, device: torch.device) -> str | None:
     """Which search runs: None for "shrink", else "fixed" or "graph".
 
     "shrink": finished rows leave the batch (the least arithmetic: the fastest on a CPU).
@@ -119,7 +119,7 @@ def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *option
     """``fn(annotations)`` (a fixed-shape loop, start included) replayed as the decoder's CUDA
     graph for this batch size and these options. The batch is padded up to a power of two
     (with empty grids, whose rows are dropped after), so that batches of any size share a
-    few graphs. Returns ``fn``'s outputs for the real rows, off the graph's own tensors.
+    few graphs. Returns ``fn``'s outputs for the real rows.
 
     Where there is no CUDA graph to record (a CPU: the tests) the padded batch goes through
     ``fn`` itself: the same padding, the same results."""
@@ -183,10 +183,10 @@ def greedy_decode(
     """The most likely word at each step, for a batch of images (B, L, D).
 
     no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption. ``strategy``: see
-    ``_fixed``. The words, maps and log-probabilities go into preallocated tensors, one indexed
+    ``_strategy``. The words, maps and log-probabilities go into preallocated tensors, one indexed
     write per step, read back to Python once at the end.
     """
-    how = _fixed(strategy, annotations.device)
+    how = _strategy(strategy, annotations.device)
     options = (max_length, hard_mode, allow_unk, no_repeat_ngram)
     if how is None:
         state = decoder.start(annotations, word_gates=True)
@@ -319,12 +319,12 @@ def beam_search(
     A beam that emits <end> among the top K candidates of its image is finished; an image is done
     when it has K finished captions (or at max_length). Hypotheses are ranked by
     log_prob / len**length_penalty, len counting <end>. no_repeat_ngram > 0: no n-gram of that
-    size occurs twice in a caption. Returns the K best per image. ``strategy``: see ``_fixed``.
+    size occurs twice in a caption. Returns the K best per image. ``strategy``: see ``_strategy``.
 
     The first word is predicted once per image (its K beams would be identical) and each
     image's grid is stored once for its K beams (DecoderState.beams).
     """
-    how = _fixed(strategy, annotations.device)
+    how = _strategy(strategy, annotations.device)
     options = (beam_size, max_length, hard_mode, allow_unk, no_repeat_ngram)
     if how is None:
         state = decoder.start(annotations, word_gates=True)  # a row per image
@@ -489,7 +489,7 @@ def generate(
 ) -> list[list[Hypothesis]]:
     """Captions for a batch of annotation grids (B, L, D) with every option of ``config``: the
     one place a decoding option reaches the search (beam 1 decodes greedily). ``strategy``:
-    the search's strategy (see ``_fixed``), "auto" unless a test or a benchmark forces one."""
+    the search's strategy (see ``_strategy``), "auto" unless a test or a benchmark forces one."""
     if config.beam_size == 1:
         return greedy_decode(
             decoder,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -217,7 +218,6 @@ class CaptionModule(L.LightningModule):
         )
         self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
         self._val_predictions: dict[str, str] = {}
-        self._graphed: GraphedObjective | None | bool = None  # False: not eligible
 
     def setup(self, stage: str) -> None:
         # after a resume, Lightning restores the checkpoint's weights over these anyway
@@ -279,28 +279,27 @@ class CaptionModule(L.LightningModule):
         """The run's objective on one batch: (loss, logs); ``graphs``: as CUDA graphs where
         the run allows them (``cuda_graphs``)."""
         annotations = self.annotations(batch["inputs"])
-        graphed = self._graphed_objective() if graphs else None
+        graphed = self._graphed_objective if graphs else None
         if graphed is not None:
             return graphed(annotations, batch)
         return self.objective(self.model, annotations, batch)
 
+    @functools.cached_property
     def _graphed_objective(self) -> GraphedObjective | None:
         """The objective as CUDA graphs, built at the first training step, when the run is one
-        they suit: one CUDA device, maximum likelihood without grounding."""
-        if self._graphed is None:
-            self._graphed = False
-            if (
-                self.hparams.get("cuda_graphs", True)
-                and self.device.type == "cuda"
-                and self.trainer.world_size == 1
-                and isinstance(self.objective, MaximumLikelihood)
-                and not self.objective_cfg.grounding.weight
-            ):
-                data = getattr(self.trainer, "datamodule", None)
-                longest = getattr(data, "hparams", {}).get("max_caption_length")
-                tokens = None if longest is None else longest + 2  # <start> .. <end>
-                self._graphed = GraphedObjective(self.objective, self.model, tokens)
-        return self._graphed or None
+        they suit (else None): one CUDA device, maximum likelihood without grounding."""
+        if not (
+            self.hparams.cuda_graphs
+            and self.device.type == "cuda"
+            and self.trainer.world_size == 1
+            and isinstance(self.objective, MaximumLikelihood)
+            and not self.objective_cfg.grounding.weight
+        ):
+            return None
+        data = getattr(self.trainer, "datamodule", None)
+        longest = getattr(data, "hparams", {}).get("max_caption_length")
+        tokens = None if longest is None else longest + 2  # <start> .. <end>
+        return GraphedObjective(self.objective, self.model, tokens)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         if batch is None:

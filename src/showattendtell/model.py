@@ -13,7 +13,7 @@ from showattendtell.vocab import Vocabulary
 
 
 class CaptionModel(nn.Module):
-    # the search's strategy (decoding._fixed): "auto" picks by device; benchmarks and tests
+    # the search's strategy (decoding._strategy): "auto" picks by device; benchmarks and tests
     # force "shrink" or "fixed" to compare them on one machine
     search_strategy: str = "auto"
 
