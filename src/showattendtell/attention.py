@@ -49,19 +49,14 @@ class AdditiveAttention(nn.Module):
         if projected.device.type == "cpu" and not torch.is_grad_enabled():  # training: in
             # pieces, the backward pass's many small matmuls cost more than the cache saves
             per_piece = max(1, CPU_SCORE_BYTES // (beams * L * A * projected.element_size()))
-        e = (
-            torch.cat(
-                [
-                    torch.sigmoid(
-                        (projected[g : g + per_piece].unsqueeze(1) + u[g : g + per_piece]).mul_(2)
-                    )
-                    @ w2
-                    for g in range(0, G, per_piece)
-                ]
-            )
-            if G
-            else u.new_zeros(0, beams, L)
-        )
+
+        def scores(g: int, n: int) -> torch.Tensor:  # images g .. g + n - 1: (n, beams, L)
+            return torch.sigmoid((projected[g : g + n].unsqueeze(1) + u[g : g + n]).mul_(2)) @ w2
+
+        if per_piece >= G:  # one piece (training, a GPU): no concatenation, one kernel less
+            e = scores(0, G) if G else u.new_zeros(0, beams, L)
+        else:
+            e = torch.cat([scores(g, per_piece) for g in range(0, G, per_piece)])
         return F.softmax(e.view(G * beams, L), dim=1)  # (G, beams, L) -> (N, L)
 
 
