@@ -189,19 +189,18 @@ class Decoder(nn.Module):
         groups of that many per image of ``projected`` / ``annotations`` (see DecoderState).
         Returns h, c, z, alpha, s_t (None for the expected context).
         """
-        H = self.config.hidden_dim
+        H, A = self.config.hidden_dim, self.config.attention_dim
         hp = self.hidden_proj(h)
+        # split, not sliced: the backward pass joins the parts' gradients in one operation,
+        # where each slice would zero-fill a gradient of the whole and add it
         if self.attend_proj is not None:  # attend "after": the LSTM step first, then attend
             h, c = self._lstm(gate_x + hp, c)
-            ap = self.attend_proj(h)
-            z, alpha, s = self._attend(
-                ap[:, :-1], ap[:, -1:], projected, annotations, mode, locations, beams
-            )
+            att_h, beta = self.attend_proj(h).split([A, 1], dim=1)
+            z, alpha, s = self._attend(att_h, beta, projected, annotations, mode, locations, beams)
             return h, c, z, alpha, s
-        z, alpha, s = self._attend(
-            hp[:, 4 * H : -1], hp[:, -1:], projected, annotations, mode, locations, beams
-        )
-        h, c = self._lstm(gate_x + hp[:, : 4 * H] + self.gate_context(z), c)
+        recurrent, att_h, beta = hp.split([4 * H, A, 1], dim=1)
+        z, alpha, s = self._attend(att_h, beta, projected, annotations, mode, locations, beams)
+        h, c = self._lstm(gate_x + recurrent + self.gate_context(z), c)
         return h, c, z, alpha, s
 
     @staticmethod
@@ -379,11 +378,12 @@ class Decoder(nn.Module):
         B, T = caps.size(0), caps.size(1) - 1
         live = torch.arange(T, device=a.device) < lengths.unsqueeze(1)  # (B, T)
         emb, gate_x, projected, h, c = self._inputs(a, caps, T)
+        gates = gate_x.unbind(1)  # T x (B, 4H): see _forward_packed
         forced = None if locations is None else locations[:, :T].clamp_min(0)
         hs, zs, alphas, ss = [], [], [], []
         for t in range(T):
             h, c, z, alpha, s = self.recurrent_step(
-                gate_x[:, t], h, c, projected, a, mode, None if forced is None else forced[:, t]
+                gates[t], h, c, projected, a, mode, None if forced is None else forced[:, t]
             )
             hs.append(h)
             zs.append(z)
@@ -437,6 +437,9 @@ class Decoder(nn.Module):
             .tolist()
         ]  # n_t for t < T
         emb, gate_x, projected, h, c = self._inputs(a, caps, T)
+        # T x (B, 4H), unbound once: taking step t as gate_x[:, t] would zero-fill a gradient
+        # of all (B, T, 4H) for every step in the backward pass; unbound, one stack joins them
+        gates = gate_x.unbind(1)
         forced = locations[order] if locations is not None else None  # (B, T)
         # per step t: h (n_t, H), z (n_t, D); alphas and the hard terms padded back to B rows
         hs, zs, alphas, logps, ents, locs = [], [], [], [], [], []
@@ -445,7 +448,7 @@ class Decoder(nn.Module):
                 # cost a zero-filled gradient buffer of W_a a per step in the backward pass)
                 h, c, projected, a = h[:n], c[:n], projected[:n], a[:n]
             h, c, z, alpha, s = self.recurrent_step(  # (n, H) (n, H) (n, D) (n, L) (n,)
-                gate_x[:n, t],
+                gates[t][:n],
                 h,
                 c,
                 projected,
