@@ -50,13 +50,18 @@ class AdditiveAttention(nn.Module):
             # pieces, the backward pass's many small matmuls cost more than the cache saves
             per_piece = max(1, CPU_SCORE_BYTES // (beams * L * A * projected.element_size()))
 
-        def scores(g: int, n: int) -> torch.Tensor:  # images g .. g + n - 1: (n, beams, L)
-            return torch.sigmoid((projected[g : g + n].unsqueeze(1) + u[g : g + n]).mul_(2)) @ w2
+        def scores(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:  # (n, L, A), (n, beams, 1, A)
+            return torch.sigmoid((p.unsqueeze(1) + h).mul_(2)) @ w2  # (n, beams, L)
 
-        if per_piece >= G:  # one piece (training, a GPU): no concatenation, one kernel less
-            e = scores(0, G) if G else u.new_zeros(0, beams, L)
+        if per_piece >= G:  # one piece (training, a GPU): neither slices nor a concatenation,
+            e = scores(projected, u)  # whose backward passes would zero-fill and copy
         else:
-            e = torch.cat([scores(g, per_piece) for g in range(0, G, per_piece)])
+            e = torch.cat(
+                [
+                    scores(projected[g : g + per_piece], u[g : g + per_piece])
+                    for g in range(0, G, per_piece)
+                ]
+            )
         return F.softmax(e.view(G * beams, L), dim=1)  # (G, beams, L) -> (N, L)
 
 
