@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.photos import photos
-from helpers.processes import default_sigint
+from helpers.processes import start_sat
 from PIL import Image
 
 from showattendtell.caption_output import scan_output
@@ -282,15 +282,7 @@ def test_resume_drops_truncated_line(tiny_model_file, tmp_path, monkeypatch, cap
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "showattendtell.cli", "caption", *args],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        text=True,
-        preexec_fn=default_sigint,
-    )
+    return start_sat(["caption", *args], cwd, start_new_session=True)
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> int:

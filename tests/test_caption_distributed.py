@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, SHARED
 from helpers.photos import link_photos
-from helpers.processes import default_sigint
+from helpers.processes import start_sat
 
 from showattendtell.cli import main
 from showattendtell.distributed import share_batches
@@ -46,16 +45,7 @@ def sat_caption(args: list[str], cwd: Path, mark: str = "", **popen) -> subproce
         "PYTHONPATH": str(ROOT / "src"),
         "SAT_TEST_MARK": mark,
     }
-    return subprocess.Popen(
-        [sys.executable, "-m", "showattendtell.cli", "caption", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=default_sigint,
-        **popen,
-    )
+    return start_sat(["caption", *args], cwd, env=env, **popen)
 
 
 def finished(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.processes import default_sigint
+from helpers.processes import start_sat
 
 from showattendtell.cli import main
 
@@ -238,7 +238,6 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(
     import shlex
     import signal
     import subprocess
-    import sys
     import time
 
     def press():
@@ -250,15 +249,7 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(
     args = tiny_train(synthetic_flickr, "--trainer.max_epochs", "100000")
     # so many epochs that only Ctrl-C ends the run: a fast machine ran 200 tiny epochs in the
     # second this test waits before it presses Ctrl-C
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "showattendtell.cli", *args],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=default_sigint,
-    )
+    proc = start_sat(args, tmp_path, start_new_session=True)
     last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 300
     while not last.is_file() and proc.poll() is None and time.monotonic() < deadline:

@@ -1,9 +1,13 @@
-"""What tests that start processes share: a free local port, and Ctrl-C as a terminal has it."""
+"""What tests that start processes share: a free local port, Ctrl-C as a terminal has it, and
+`sat` started as a child process."""
 
 from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -21,3 +25,17 @@ def default_sigint() -> None:
     would never stop. This gives it back the default handler.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_sat(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
+    """`sat ARGS` in ``cwd`` as a child with its output in pipes (text) and Ctrl-C as in a
+    terminal (``default_sigint``); ``popen``: more of subprocess.Popen's arguments."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "showattendtell.cli", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+        **popen,
+    )
