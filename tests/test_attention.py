@@ -48,18 +48,20 @@ def test_soft_loss_is_nll_plus_lambda_times_penalty():
     assert torch.allclose(plain.nll * lengths.sum(), -plain.log_likelihood.sum())
 
 
-@pytest.mark.parametrize("piece_bytes", [1, 3 * (3 * 5 * 8 * 8), 2**30])  # 1 image, 3, all 7
+@pytest.mark.parametrize("beams", [1, 3])
+@pytest.mark.parametrize("per_piece", [1, 3, 7])  # images per piece, of 7
 def test_attention_weights_are_the_tanh_scores_softmax_with_their_gradients(
-    monkeypatch, piece_bytes
+    monkeypatch, per_piece, beams
 ):
-    """AdditiveAttention.weights computes the scores as 2 w^T sigmoid(2x), at inference in
-    pieces of images on a CPU: alpha and every gradient must be those of softmax(w^T tanh(x))."""
+    """AdditiveAttention.weights computes the scores as 2 w^T sigmoid(2x), on a CPU in pieces
+    of images, forward and backward (PiecewiseScores): alpha and every gradient must be those
+    of softmax(w^T tanh(x))."""
     from showattendtell import attention
 
-    monkeypatch.setattr(attention, "CPU_SCORE_BYTES", piece_bytes)
+    G, L, A = 7, 5, 8
+    monkeypatch.setattr(attention, "CPU_SCORE_BYTES", per_piece * beams * L * A * 8)  # float64
     torch.manual_seed(0)
-    att = attention.AdditiveAttention(6, 8).double()
-    G, beams, L = 7, 3, 5
+    att = attention.AdditiveAttention(6, A).double()
     projected = att.project_annotations(torch.randn(G, L, 6, dtype=torch.float64))
     projected = projected.detach().requires_grad_()
     hidden = torch.randn(G * beams, 8, dtype=torch.float64, requires_grad=True)
