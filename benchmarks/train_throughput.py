@@ -76,17 +76,22 @@ def flops_per_token(cfg: DecoderConfig, L: int, D: int, V: int, tokens_per_capti
     return 3 * (per_token + per_caption / tokens_per_caption)
 
 
-def time_steps(step, device, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        step()
+def time_steps(steps: dict, device, warmup: int, reps: int) -> dict[str, float]:
+    """Median seconds per step of each named step. After ``warmup`` steps each, the steps take
+    turns (a, b, a, b, ...): this machine's speed drifts by 15 % between runs and within one,
+    and taken in turn both steps see the same drift, so their ratio holds still."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
     sync(device)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(reps):
-        t = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step()
+            sync(device)
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -184,20 +189,14 @@ def main(argv: list[str] | None = None) -> dict:
             return loss(forward, feats, caps, lengths)[0]
 
     peak = matmul_gflops(device, [int(n) for n in args.matmul_sizes.split(",")])
-    step = train_step(dec, ours, device, args.precision, fused=device.type == "cuda")
-    t_fast = time_steps(step, device, 2, args.reps)
-    t_peer = None
+    steps = {"ours": train_step(dec, ours, device, args.precision, fused=device.type == "cuda")}
     if not args.no_baseline:
         peer = PeerDecoder(args.attention_dim, args.embed_dim, args.hidden_dim, V, D).to(device)
-        step = train_step(
+        steps["peer"] = train_step(
             peer, lambda: peer_loss(peer, feats, caps, lengths), device, args.precision
         )
-        # on a GPU as many steps as ours (its rate moved 30 % between runs of 2 steps); on a
-        # CPU, where a step of the peer takes seconds, half as many
-        gpu = device.type == "cuda"
-        t_peer = time_steps(
-            step, device, 2 if gpu else 1, args.reps if gpu else max(2, args.reps // 2)
-        )
+    times = time_steps(steps, device, 2 if device.type == "cuda" else 1, args.reps)
+    t_fast, t_peer = times["ours"], times.get("peer")
     fpt = flops_per_token(cfg, L, D, V, n_tokens / B)
     tok_s = n_tokens / t_fast
     result = {

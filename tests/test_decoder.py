@@ -107,3 +107,53 @@ def test_fixed_shape_training_gives_the_shrinking_batch_values_and_gradients():
                 assert torch.allclose(x.entropy, y.entropy, atol=1e-5)
             for (name, _), gx, gy in zip(dec.named_parameters(), grads[0], g, strict=True):
                 assert torch.allclose(gx, gy, rtol=1e-4, atol=1e-6), name
+
+
+def test_cpu_training_scores_in_pieces_give_the_plain_values_and_gradients(monkeypatch):
+    """On a CPU the training pass takes the attention scores a few images at a time, with one
+    gradient buffer for W_a a shared by all words (piecewise_scores.py). Both recurrences, both
+    attends, soft and hard: the same losses and gradients as the scores computed whole by
+    autograd."""
+    from showattendtell import attention
+    from showattendtell.losses import hard_attention_loss, soft_attention_loss
+
+    a, caps, lengths = make_batch(B=7, T=9, L=5, D=12)
+    a = a.double()
+    locs = torch.randint(0, 5, (7, 9), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(attention, "CPU_SCORE_BYTES", 2 * 5 * 6 * 8)  # 2 images per piece
+    for kind, attend in (("hard", "before"), ("soft", "after"), ("soft", "before")):
+        dec = small_decoder(attention=kind, attend=attend, seed=7).double()
+        for fixed in (False, True):
+            results = []
+            for piecewise in (True, False):
+                with monkeypatch.context() as m:
+                    if not piecewise:
+                        m.setattr(attention, "_piecewise", lambda projected: False)
+                    mode = "forced" if kind == "hard" else "expectation"
+                    out = dec(a, caps, lengths, mode=mode, locations=locs, fixed_shape=fixed)
+                terms = (
+                    hard_attention_loss(out, 7, 0.1)
+                    if kind == "hard"
+                    else soft_attention_loss(out, 7, lam=1.0)
+                )
+                grads = torch.autograd.grad(terms.loss, list(dec.parameters()))
+                results.append((terms.loss, grads))
+            (lp, gp), (lw, gw) = results
+            torch.testing.assert_close(lp, lw, rtol=0, atol=1e-12)
+            for (name, _), x, y in zip(dec.named_parameters(), gp, gw, strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_shared_keys_give_no_gradient_to_rows_no_word_read():
+    """keys[:n] (the shrinking batch) reads the first n images only: the others' gradient is 0."""
+    from showattendtell.attention import AdditiveAttention
+    from showattendtell.piecewise_scores import SharedKeys
+
+    torch.manual_seed(0)
+    att = AdditiveAttention(6, 8).double()
+    projected = torch.randn(5, 4, 8, dtype=torch.float64, requires_grad=True)
+    keys = SharedKeys(projected)
+    hidden = torch.randn(3, 8, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(att.weights(keys[:3], hidden)[:, 0].sum(), projected)
+    assert grad[:3].abs().sum() > 0
+    assert torch.equal(grad[3:], torch.zeros_like(grad[3:]))

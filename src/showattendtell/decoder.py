@@ -35,6 +35,7 @@ from showattendtell.attention import (
     gather_locations,
     sample_locations,
 )
+from showattendtell.piecewise_scores import SharedKeys
 from showattendtell.settings import CONTEXT_MODES  # noqa: F401 - a step's attention modes
 from showattendtell.vocab import END
 
@@ -174,7 +175,7 @@ class Decoder(nn.Module):
         gate_x: torch.Tensor,
         h: torch.Tensor,
         c: torch.Tensor,
-        projected: torch.Tensor,
+        projected: torch.Tensor | SharedKeys,
         annotations: torch.Tensor,
         mode: str,
         locations: torch.Tensor | None = None,
@@ -217,7 +218,7 @@ class Decoder(nn.Module):
         self,
         att_h: torch.Tensor,
         beta: torch.Tensor,
-        projected: torch.Tensor,
+        projected: torch.Tensor | SharedKeys,
         annotations: torch.Tensor,
         mode: str,
         locations: torch.Tensor | None,
@@ -356,14 +357,15 @@ class Decoder(nn.Module):
 
     def _inputs(self, a: torch.Tensor, caps: torch.Tensor, T: int):
         """What does not depend on h, for all steps at once: the embeddings (B, T, E), their
-        share of the gates (with attend "after" the image's too) (B, T, 4H), W_a a (B, L, A)
-        and h_0, c_0."""
+        share of the gates (with attend "after" the image's too) (B, T, 4H), W_a a (B, L, A;
+        AdditiveAttention.shared_keys) and h_0, c_0."""
         emb = self.embedding(caps[:, :T])  # (B, T, E): inputs y_0..y_{T-1}
         gate_x = self.gate_embed(emb)  # (B, T, 4H), all steps in one matmul
         image_gates = self.image_gates(a)  # (B, 4H) or None
         if image_gates is not None:
             gate_x = gate_x + image_gates.unsqueeze(1)
-        projected = self.attention.project_annotations(a)  # (B, L, A), once per caption
+        # (B, L, A), once per caption; on a CPU one gradient buffer for all words
+        projected = self.attention.shared_keys(self.attention.project_annotations(a))
         h, c = self.init_state(a)  # (B, H) each
         return emb, gate_x, projected, h, c
 
