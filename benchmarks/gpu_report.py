@@ -15,7 +15,8 @@ batches. Parts, each also a field of the JSON line:
 - ``decoding``: the image-decoding stage alone (files to resized tensors, no model), images/s
   on one core and in the pipeline's worker processes; on CUDA also batched
   ``torchvision.io.decode_jpeg(device="cuda")`` of the JPEGs, for comparison;
-- ``startup``: `sat caption PHOTO` from the command to the printed caption, seconds;
+- ``startup``: `sat caption PHOTO` from the command to the printed caption, seconds; on CUDA
+  also with ``--device cuda`` (``--device auto`` captions a few photos on the CPU);
 - ``training``: benchmarks/train_throughput.py (ours and the peer) in float32 and bf16 at batch
   64 and 256, tokens/s;
 - ``sat_train``: a short `sat train` of configs/tiny.yaml on the photos (captioned by the model)
@@ -162,13 +163,24 @@ def nvjpeg_rate(paths: list[str], input_size: int) -> float | str:
 
 
 def startup(photo: str, device: str, runs: int) -> dict[str, Any]:
-    """`sat caption PHOTO`: the command to the printed caption, seconds (median)."""
+    """`sat caption PHOTO`: the command to the printed caption, seconds (median). On a GPU
+    machine as a user runs it (``--device auto`` captions a few photos on the CPU) and with
+    ``--device cuda`` (what starting the GPU costs)."""
+    result = _startup_times(photo, [], runs)
+    if device.startswith("cuda") and "error" not in result:
+        result["cuda"] = _startup_times(photo, ["--device", device], runs)
+    elif device == "cpu":
+        result = _startup_times(photo, ["--device", "cpu"], runs)
+    return result
+
+
+def _startup_times(photo: str, options: list[str], runs: int) -> dict[str, Any]:
     sat = [sys.executable, "-m", "showattendtell.cli"]
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [*sat, "caption", photo, "--device", device],
+            [*sat, "caption", photo, *options],
             cwd=ROOT,
             capture_output=True,
             text=True,

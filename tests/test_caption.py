@@ -510,3 +510,35 @@ def test_sheets_are_named_after_the_file():
         "C.JPG-2.png",
         "c.jpg-3.png",
     ]
+
+
+@pytest.mark.parametrize(
+    ("device", "photos", "extra", "expected"),
+    [
+        ("auto", 1, {}, "cpu"),
+        ("auto", 32, {}, "cpu"),
+        ("auto", 33, {}, "auto"),  # resolved to the GPU by load_model
+        ("cuda", 1, {}, "cuda"),
+        ("auto", 1, {"decode_on": "gpu"}, "auto"),
+        ("auto", 1, {"precision": "16"}, "auto"),
+    ],
+)
+def test_a_few_photos_are_captioned_on_the_cpu_of_a_gpu_machine(
+    device, photos, extra, expected, monkeypatch, capsys
+):
+    """--device auto: starting a GPU takes seconds, more than a few photos take on the CPU."""
+    import argparse
+
+    import torch
+
+    from showattendtell.commands import caption
+    from showattendtell.distributed import Processes
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = argparse.Namespace(device=device, decode_on="cpu", precision="32")
+    vars(args).update(extra)
+    assert caption._device(args, photos, Processes(1, 1, "cpu")) == expected
+    said = capsys.readouterr().err
+    assert ("on the CPU" in said) == (expected == "cpu" and device == "auto")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert caption._device(args, photos, Processes(1, 1, "cpu")) == device

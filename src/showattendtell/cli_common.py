@@ -56,7 +56,10 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
 def add_device_args(p: argparse.ArgumentParser) -> None:
     """Where and how the network runs: --device and --precision."""
     p.add_argument(
-        "--device", default="auto", help="auto (a GPU when present), cpu, cuda or cuda:N"
+        "--device",
+        default="auto",
+        help="auto (a GPU when present; `sat caption` of up to 32 photos: the CPU, which is done "
+        "sooner), cpu, cuda or cuda:N",
     )
     p.add_argument(
         "--precision",

@@ -451,6 +451,31 @@ def _run_planned(
         procs.close()
 
 
+FEW_PHOTOS = 32  # at most this many, --device auto captions on the CPU (see _device)
+
+
+def _device(args: argparse.Namespace, photos: int, procs: Processes) -> str:
+    """This process's device. ``--device auto`` means a GPU when there is one, except for a
+    few photos captioned by one process: starting a GPU (CUDA, cuDNN's first convolutions,
+    recording the search's CUDA graph) took about 6 s for one photo on an H100 machine, where
+    this CPU captions 32 photos in about 3 s from the command (docs/captioning.md)."""
+    device = procs.device(args.device)
+    if device != "auto" or photos > FEW_PHOTOS or args.decode_on == "gpu":
+        return device
+    if args.precision == "16":  # float16 runs on a GPU only
+        return device
+    import torch
+
+    if torch.cuda.device_count() == 0:  # asks NVML, without starting CUDA
+        return device
+    print(
+        f"captioning {photos} photo{'s' if photos > 1 else ''} on the CPU, sooner than starting "
+        "the GPU for so few (--device cuda uses it)",
+        file=sys.stderr,
+    )
+    return "cpu"
+
+
 def _caption(
     args: argparse.Namespace,
     plan: Plan,
@@ -464,7 +489,7 @@ def _caption(
 
     procs.share_cores(args.threads)
     try:
-        captioner = load_model(args.model, procs.device(args.device), args.precision)
+        captioner = load_model(args.model, _device(args, len(plan.todo), procs), args.precision)
     except ValueError as e:  # --device cuda without a GPU, an unknown device name
         if isinstance(e, UserError):
             raise
