@@ -166,11 +166,11 @@ def startup(photo: str, device: str, runs: int) -> dict[str, Any]:
     """`sat caption PHOTO`: the command to the printed caption, seconds (median). On a GPU
     machine as a user runs it (``--device auto`` captions a few photos on the CPU) and with
     ``--device cuda`` (what starting the GPU costs)."""
+    if not device.startswith("cuda"):
+        return _startup_times(photo, ["--device", device], runs)
     result = _startup_times(photo, [], runs)
-    if device.startswith("cuda") and "error" not in result:
+    if "error" not in result:
         result["cuda"] = _startup_times(photo, ["--device", device], runs)
-    elif device == "cpu":
-        result = _startup_times(photo, ["--device", "cpu"], runs)
     return result
 
 

@@ -141,7 +141,8 @@ def train_step(
     model: torch.nn.Module, loss_fn, device: torch.device, precision: str, fused: bool = False
 ):
     """One optimiser step of ``model`` on ``loss_fn()``, under autocast for bf16. ``fused``:
-    Adam's update as one kernel per parameter group (what `sat train` uses on a GPU)."""
+    Adam's update as one pass over the parameters (what `sat train` uses); the peer keeps its own
+    training step's Adam."""
     opt = torch.optim.Adam(model.parameters(), lr=2e-4, fused=fused or None)
 
     def step() -> None:
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
             return loss(forward, feats, caps, lengths)[0]
 
     peak = matmul_gflops(device, [int(n) for n in args.matmul_sizes.split(",")])
-    steps = {"ours": train_step(dec, ours, device, args.precision, fused=device.type == "cuda")}
+    steps = {"ours": train_step(dec, ours, device, args.precision, fused=True)}
     if not args.no_baseline:
         peer = PeerDecoder(args.attention_dim, args.embed_dim, args.hidden_dim, V, D).to(device)
         steps["peer"] = train_step(

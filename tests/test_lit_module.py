@@ -80,3 +80,13 @@ def test_train_only_trains_the_named_decoder_parameters_and_refuses_names_that_m
     assert len(everything) == len(list(m.model.decoder.parameters()))
     with pytest.raises(TrainingConfigError, match="names no decoder parameter"):
         module(optimizer=OptimizerConfig(train_only=["lstm."])).configure_optimizers()
+
+
+def test_adam_is_fused_except_under_mixed_precision(monkeypatch):
+    """One pass over the parameters per step; Lightning cannot clip the gradients of a fused
+    optimiser under mixed precision, so there it is the loop form."""
+    m = module()
+    assert m.configure_optimizers().defaults["fused"] is True
+    for precision, fused in (("32-true", True), ("bf16-mixed", None)):
+        monkeypatch.setattr(m, "_trainer", type("T", (), {"precision": precision})())
+        assert m.configure_optimizers().defaults["fused"] is fused
