@@ -141,8 +141,8 @@ def train_step(
     model: torch.nn.Module, loss_fn, device: torch.device, precision: str, fused: bool = False
 ):
     """One optimiser step of ``model`` on ``loss_fn()``, under autocast for bf16. ``fused``:
-    Adam's update as one pass over the parameters (what `sat train` uses); the peer keeps its own
-    training step's Adam."""
+    Adam's update as one pass over the parameters (what `sat train` uses in float32); the peer
+    keeps its own training step's Adam."""
     opt = torch.optim.Adam(model.parameters(), lr=2e-4, fused=fused or None)
 
     def step() -> None:
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
             return loss(forward, feats, caps, lengths)[0]
 
     peak = matmul_gflops(device, [int(n) for n in args.matmul_sizes.split(",")])
-    steps = {"ours": train_step(dec, ours, device, args.precision, fused=True)}
+    fused = args.precision == "fp32"  # as `sat train`: fused Adam except under mixed precision
+    steps = {"ours": train_step(dec, ours, device, args.precision, fused=fused)}
     if not args.no_baseline:
         peer = PeerDecoder(args.attention_dim, args.embed_dim, args.hidden_dim, V, D).to(device)
         steps["peer"] = train_step(

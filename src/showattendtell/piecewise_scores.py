@@ -29,7 +29,6 @@ class SharedKeys:
 
     def __init__(self, projected: torch.Tensor):
         self.values = projected.detach()  # (B, L, A)
-        self.rows = projected.size(0)
         self.store = _Store(self.values if projected.requires_grad else None)
         # (0,): a tensor that ties the words' scores to projected's place in the graph
         self.anchor = _Anchor.apply(projected, self.store) if self.store.needed else None
@@ -39,16 +38,11 @@ class SharedKeys:
             raise TypeError("SharedKeys takes the first rows only: keys[:n]")
         first = object.__new__(SharedKeys)
         first.values, first.store, first.anchor = self.values[rows], self.store, self.anchor
-        first.rows = first.values.size(0)
         return first
 
     @property
     def shape(self) -> torch.Size:
         return self.values.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
 
     def element_size(self) -> int:
         return self.values.element_size()
