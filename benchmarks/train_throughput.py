@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from showattendtell import attention
 from showattendtell.decoder import Decoder, DecoderConfig
 from showattendtell.graphed import GraphedLoss
 from showattendtell.losses import hard_attention_loss, soft_attention_loss
@@ -76,14 +77,26 @@ def flops_per_token(cfg: DecoderConfig, L: int, D: int, V: int, tokens_per_capti
     return 3 * (per_token + per_caption / tokens_per_caption)
 
 
-def time_steps(steps: dict, device, warmup: int, reps: int) -> dict[str, float]:
-    """Median seconds per step of each named step. After ``warmup`` steps each, the steps take
+def peak_memory_mb(device: torch.device) -> float:
+    """The process's peak memory so far: resident set on a CPU, allocated tensors on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource  # Unix only
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
+
+
+def time_steps(steps: dict, device, warmup: int, reps: int) -> tuple[dict[str, float], float]:
+    """Median seconds per step of each named step, and the peak memory after the first one's
+    warm-up steps (before any other step ran). After ``warmup`` steps each, the steps take
     turns (a, b, a, b, ...): this machine's speed drifts by 15 % between runs and within one,
     and taken in turn both steps see the same drift, so their ratio holds still."""
+    peak = None
     for step in steps.values():
         for _ in range(warmup):
             step()
-    sync(device)
+        sync(device)
+        peak = peak_memory_mb(device) if peak is None else peak
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(reps):
         for name, step in steps.items():
@@ -91,7 +104,7 @@ def time_steps(steps: dict, device, warmup: int, reps: int) -> dict[str, float]:
             step()
             sync(device)
             times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in times.items()}, peak
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,6 +129,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("auto", "fixed", "packed"),
         default="auto",
         help="the decoder's training recurrence (Decoder.forward's fixed_shape)",
+    )
+    p.add_argument(
+        "--scores",
+        choices=("pieces", "whole"),
+        default="pieces",
+        help="on a CPU, the attention scores a few images at a time (piecewise_scores.py) or "
+        "whole, by autograd, as on a GPU",
     )
     p.add_argument(
         "--compile",
@@ -158,6 +178,7 @@ def train_step(
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
+    attention.PIECEWISE_ON_CPU = args.scores == "pieces"
     torch.manual_seed(0)
     random.seed(0)
     L, D, B, V = args.grid**2, args.feature_dim, args.batch, args.vocab
@@ -197,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         steps["peer"] = train_step(
             peer, lambda: peer_loss(peer, feats, caps, lengths), device, args.precision
         )
-    times = time_steps(steps, device, 2 if device.type == "cuda" else 1, args.reps)
+    times, peak_mb = time_steps(steps, device, 2 if device.type == "cuda" else 1, args.reps)
     t_fast, t_peer = times["ours"], times.get("peer")
     fpt = flops_per_token(cfg, L, D, V, n_tokens / B)
     tok_s = n_tokens / t_fast
@@ -210,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         "vocab": V,
         "precision": args.precision,
         "strategy": "fixed" if args.compile or graphs else args.strategy,
+        "scores": args.scores,
         "compiled": args.compile,
         "cuda_graphs": graphs,
         "tokens_per_step": n_tokens,
@@ -221,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         "matmul_gflops": round(peak, 1),
         "fraction_of_peak": round(tok_s * fpt / 1e9 / peak, 3),
         "threads": torch.get_num_threads(),
+        "peak_memory_mb": round(peak_mb),
     }
     if t_peer is not None:
         result["peer_tokens_per_s"] = round(n_tokens / t_peer, 1)

@@ -128,7 +128,7 @@ def test_cpu_training_scores_in_pieces_give_the_plain_values_and_gradients(monke
             for piecewise in (True, False):
                 with monkeypatch.context() as m:
                     if not piecewise:
-                        m.setattr(attention, "_piecewise", lambda projected: False)
+                        m.setattr(attention, "PIECEWISE_ON_CPU", False)
                     mode = "forced" if kind == "hard" else "expectation"
                     out = dec(a, caps, lengths, mode=mode, locations=locs, fixed_shape=fixed)
                 terms = (

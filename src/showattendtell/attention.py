@@ -71,8 +71,11 @@ def _piecewise(projected: torch.Tensor | SharedKeys) -> bool:
     itself or autocast picks their precision."""
     if isinstance(projected, SharedKeys):
         return True
-    cpu = projected.device.type == "cpu"
+    cpu = projected.device.type == "cpu" and PIECEWISE_ON_CPU
     return cpu and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
+
+
+PIECEWISE_ON_CPU = True  # False: the scores whole, by autograd, as on a GPU (for comparisons)
 
 
 def _scores(p: torch.Tensor, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
