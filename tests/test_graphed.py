@@ -103,3 +103,23 @@ def test_search_graphs_are_dropped_when_the_weights_change():
     assert ("batch 128",) in graphed.graphs
     graphed.forget_unless(("weights", 2))
     assert graphed.graphs == {} and graphed.state == ("weights", 2)
+
+
+def test_a_batch_is_padded_to_the_smallest_recorded_graph_that_holds_it():
+    """Recording a graph takes about half a second on a GPU, replaying a larger one
+    milliseconds: a batch finds the graphs recorded for its options, dtype and grid."""
+    from showattendtell.graphed import GraphedFunction
+
+    graphed = GraphedFunction(lambda x: (x,))
+
+    def record(rows, key, dtype=torch.float32):
+        graphed.graphs[graphed._key((torch.zeros(rows, 4, 3, dtype=dtype),), key)] = "a graph"
+
+    record(128, ("greedy", 20))
+    record(32, ("greedy", 20))
+    record(8, ("beam", 20))  # other options
+    record(4, ("greedy", 20), torch.float64)  # another dtype
+    graphed.graphs[graphed._key((torch.zeros(2, 5, 3),), ("greedy", 20))] = "another grid"
+    assert sorted(graphed.batch_sizes(torch.zeros(16, 4, 3), key=("greedy", 20))) == [32, 128]
+    assert graphed.batch_sizes(torch.zeros(16, 4, 3), key=("beam", 20)) == [8]
+    assert graphed.batch_sizes(torch.zeros(1, 4, 3), key=("beam", 5)) == []

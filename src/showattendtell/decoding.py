@@ -117,9 +117,10 @@ def _strategy(strategy: str, device: torch.device) -> str | None:
 
 def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *options):
     """``fn(annotations)`` (a fixed-shape loop, start included) replayed as the decoder's CUDA
-    graph for this batch size and these options. The batch is padded up to a power of two
-    (with empty grids, whose rows are dropped after), so that batches of any size share a
-    few graphs. Returns ``fn``'s outputs for the real rows.
+    graph for this batch size and these options. The batch is padded (with empty grids, whose
+    rows are dropped after) up to the smallest recorded graph that holds it, or else to a power
+    of two, so that batches of any size share a few graphs. Returns ``fn``'s outputs for the
+    real rows.
 
     Where there is no CUDA graph to record (a CPU: the tests) the padded batch goes through
     ``fn`` itself: the same padding, the same results."""
@@ -127,11 +128,8 @@ def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *option
 
     B = annotations.size(0)
     padded = 1 << (B - 1).bit_length()
-    if padded > B:
-        annotations = F.pad(annotations, (0, 0, 0, 0, 0, padded - B))
-    if annotations.device.type != "cuda":
-        outputs = fn(annotations)
-    else:
+    graph = None
+    if annotations.device.type == "cuda":
         graph = decoder.__dict__.setdefault("_search_graphs", {}).setdefault(
             name, GraphedFunction(fn)
         )
@@ -139,7 +137,13 @@ def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *option
         # new weights (training, between validations): the graphs hold tables derived from the
         # old ones (the word-gate table), so they are dropped and recorded again
         graph.forget_unless(tuple((p.data_ptr(), p._version) for p in decoder.parameters()))
-        outputs = graph(annotations, key=options)
+        # a graph recorded for a larger batch replays the padded batch sooner than a new one
+        # records (0.5 s on an H100): the last, smaller batch of a folder, a small request
+        recorded = graph.batch_sizes(annotations, key=options)
+        padded = min((n for n in recorded if n >= B), default=padded)
+    if padded > B:
+        annotations = F.pad(annotations, (0, 0, 0, 0, 0, padded - B))
+    outputs = fn(annotations) if graph is None else graph(annotations, key=options)
     return tuple(o[:B] for o in outputs)
 
 

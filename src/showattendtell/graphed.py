@@ -11,7 +11,7 @@ optimiser step run unchanged outside the graph.
 
 What a graph needs, and how the callers give it:
 - the same shapes every call: the fixed-shape recurrence and search, captions padded to a
-  fixed length (``pad_captions``), a search batch padded to a power of two;
+  fixed length (``pad_captions``), a search batch padded to a recorded size or a power of two;
 - no host synchronisation inside: the fixed-shape pass masks the padding instead of selecting
   the real tokens, and the losses take the mask (losses.py);
 - inputs copied into the graph's own tensors, and outputs copied out before the next replay
@@ -166,10 +166,29 @@ class GraphedFunction:
                 self.graphs.clear()
                 self.state = state
 
+    @staticmethod
+    def _key(inputs: tuple[torch.Tensor, ...], key: tuple, rows: int | None = None) -> tuple:
+        """What a graph is recorded for: the inputs' shapes (their first dimension ``rows``
+        where given) and dtypes, the autocast state and the caller's key."""
+        amp = torch.is_autocast_enabled("cuda")
+        dtype = torch.get_autocast_dtype("cuda") if amp else None
+        shapes = (x.shape if rows is None else (rows, *x.shape[1:]) for x in inputs)
+        return (*((tuple(s), x.dtype) for s, x in zip(shapes, inputs, strict=True)), dtype, *key)
+
+    def batch_sizes(self, *inputs: torch.Tensor, key: tuple = ()) -> list[int]:
+        """The batch sizes (the inputs' first dimension) of the graphs recorded for what this
+        call would be but for its batch size."""
+        with self.lock:
+            return [
+                n
+                for n in {k[0][0][0] for k in self.graphs}
+                if self._key(inputs, key, n) in self.graphs
+            ]
+
     def __call__(self, *inputs: torch.Tensor, key: tuple = ()) -> tuple[torch.Tensor, ...]:
         amp = torch.is_autocast_enabled("cuda")
         dtype = torch.get_autocast_dtype("cuda") if amp else None
-        full = (*((tuple(x.shape), x.dtype) for x in inputs), dtype, *key)
+        full = self._key(inputs, key)
         with self.lock:
             entry = self.graphs.get(full)
             if entry is None and self.failures < MAX_FAILURES:
