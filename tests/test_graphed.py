@@ -106,7 +106,7 @@ def test_search_graphs_are_dropped_when_the_weights_change():
 
 
 def test_a_batch_is_padded_to_the_smallest_recorded_graph_that_holds_it():
-    """Recording a graph takes about half a second on a GPU, replaying a larger one
+    """Recording a graph takes up to half a second on a GPU, replaying a larger one
     milliseconds: a batch finds the graphs recorded for its options, dtype and grid."""
     from showattendtell.graphed import GraphedFunction
 

@@ -138,7 +138,7 @@ def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *option
         # old ones (the word-gate table), so they are dropped and recorded again
         graph.forget_unless(tuple((p.data_ptr(), p._version) for p in decoder.parameters()))
         # a graph recorded for a larger batch replays the padded batch sooner than a new one
-        # records (0.5 s on an H100): the last, smaller batch of a folder, a small request
+        # records (the first took 0.5 s on an H100): a folder's last batch, a small request
         recorded = graph.batch_sizes(annotations, key=options)
         padded = min((n for n in recorded if n >= B), default=padded)
     if padded > B:
