@@ -456,13 +456,12 @@ FEW_PHOTOS = 32  # at most this many, --device auto captions on the CPU (see _de
 
 def _device(args: argparse.Namespace, photos: int, procs: Processes) -> str:
     """This process's device. ``--device auto`` means a GPU when there is one, except for a
-    few photos captioned by one process: starting a GPU (CUDA, cuDNN's first convolutions,
-    recording the search's CUDA graph) took about 6 s for one photo on an H100 machine, where
-    this CPU captions 32 photos in about 3 s from the command (docs/captioning.md)."""
+    few photos captioned by one process: starting a GPU cost 4.4 s for one photo on an H100
+    machine (cuDNN's first convolutions 3.2 s, moving the model 0.7 s, recording the search's
+    CUDA graph 0.5 s), where 2 CPU cores caption 32 photos in 3.3 s from the command
+    (docs/captioning.md). ``--decode-on gpu`` and float16 (``--precision 16``) need the GPU."""
     device = procs.device(args.device)
-    if device != "auto" or photos > FEW_PHOTOS or args.decode_on == "gpu":
-        return device
-    if args.precision == "16":  # float16 runs on a GPU only
+    if device != "auto" or photos > FEW_PHOTOS or args.decode_on == "gpu" or args.precision == "16":
         return device
     import torch
 
