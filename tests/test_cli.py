@@ -471,3 +471,40 @@ def test_version(capsys):
     # the installed distribution's version (pyproject.toml), and torch's for bug reports
     assert out.startswith(f"sat {metadata.version('showattendtell')} (torch ")
     assert metadata.version("torch") in out
+
+
+@pytest.mark.parametrize("moment", ["DuringValidation", "BeforeOptimizerStep", "AfterLogging"])
+def test_a_resumed_run_logs_every_step_once(
+    moment, synthetic_flickr, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C at moments Lightning's own checkpoints never save at: the resumed run goes on
+    logging at the step where it stopped, with no step logged twice or skipped."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    stop = []
+    if moment == "AfterLogging":  # a step's row logged, the step not yet counted for the logger
+        log_metrics = CSVLogger.log_metrics
+
+        def log_then_stop(self, metrics, step=None):
+            log_metrics(self, metrics, step)
+            if step == 18 and "train/loss" in metrics:
+                monkeypatch.undo()
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(CSVLogger, "log_metrics", log_then_stop)
+    else:
+        stop = [f"--trainer.callbacks+=helpers.interrupts.{moment}"]
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(tiny_train(synthetic_flickr, "--trainer.max_epochs", "3", *stop)) == 130
+        saved = Path("runs/tiny/checkpoints/interrupted.ckpt")
+        assert main(tiny_train(synthetic_flickr, "--ckpt_path", str(saved))) == 0
+    finally:
+        os.chdir(old)
+    with open(tmp_path / "runs/tiny/logs/version_0/metrics.csv", newline="") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    steps_per_epoch = 24 * 5 // 8  # synthetic_flickr: 24 training images x 5 captions; batch 8
+    assert steps == list(range(2 * steps_per_epoch)), steps  # tiny.yaml: 2 epochs, a row a step

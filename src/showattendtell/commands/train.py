@@ -248,7 +248,28 @@ class SaveOnInterrupt(L.Callback):
             else (Path(trainer.default_root_dir) / "checkpoints")
         )
         self.saved = folder / INTERRUPTED_CHECKPOINT
+        _count_steps_for_the_logger(trainer)
         trainer.save_checkpoint(self.saved)
+
+
+def _count_steps_for_the_logger(trainer: L.Trainer) -> None:
+    """Set the step the loggers count from (Lightning's ``_batches_that_stepped``) so that the
+    resumed run logs its next step at ``global_step``.
+
+    Why: Lightning's own checkpoints are saved at a few points of a batch (its end, the end of
+    validation), and on resuming it corrects the logger's count for those points. Ctrl-C
+    stops training anywhere: after a step's row was logged but before it was counted, the
+    resumed run logged that step twice; before the weights were updated, it skipped one.
+    Lightning adds one on resuming unless the checkpoint was taken after a completed batch
+    (``_TrainingEpochLoop.reset`` and ``update_restart_stage``), so the count saved is the
+    steps done, less that one. With gradient accumulation its count follows other rules,
+    which are left to it."""
+    if trainer.accumulate_grad_batches != 1:
+        return
+    loop = trainer.fit_loop.epoch_loop
+    done = loop.batch_progress.total
+    completed = done.started == done.ready and done.completed == done.processed == done.started
+    loop._batches_that_stepped = trainer.global_step - (0 if completed else 1)
 
 
 def _check_config_files(args: list[str]) -> None:
