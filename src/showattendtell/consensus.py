@@ -390,8 +390,7 @@ class ConsensusIndex:
         row = torch.repeat_interleave(
             torch.arange(len(rows), device=dev), n, output_size=n_entries
         )  # (E,)
-        entry = (lo - (torch.cumsum(n, 0) - n)).index_select(0, row)
-        entry += torch.arange(n_entries, device=dev)  # (E,) the rows' entries, row by row
+        entry = _ranges_t(lo, n, n_entries)  # (E,) the rows' entries, row by row
         place = torch.full((len(self.prepare()["keys"]),), -1, dtype=torch.int64, device=dev)
         place.index_copy_(0, c["grams"], torch.arange(u, device=dev))  # id -> place, else -1
         place = place.index_select(0, d["flat_ids"].index_select(0, entry))
