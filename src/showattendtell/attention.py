@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from showattendtell.piecewise_scores import SharedKeys, piecewise_scores
+from showattendtell.piecewise_scores import SharedKeys, piecewise_scores, whole_scores
 
 
 class AdditiveAttention(nn.Module):
@@ -62,7 +62,7 @@ class AdditiveAttention(nn.Module):
             per_piece = max(1, CPU_SCORE_BYTES // (beams * L * A * projected.element_size()))
             e = piecewise_scores(projected, u, w2, per_piece)
         else:  # a GPU, torch.compile (which fuses these operations itself), autocast: whole
-            e = _scores(projected, u, w2)
+            e = whole_scores(projected, u, w2)
         return F.softmax(e.view(G * beams, L), dim=1)  # (G, beams, L) -> (N, L)
 
 
@@ -76,11 +76,6 @@ def _piecewise(projected: torch.Tensor | SharedKeys) -> bool:
 
 
 PIECEWISE_ON_CPU = True  # False: the scores whole, by autograd, as on a GPU (for comparisons)
-
-
-def _scores(p: torch.Tensor, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """2 w^T sigmoid(2 (p_i + u)): (n, L, A), (n, beams, 1, A), (A,) -> (n, beams, L)."""
-    return torch.sigmoid((p.unsqueeze(1) + u).mul_(2)) @ w2
 
 
 CPU_SCORE_BYTES = 2 * 2**20  # one piece of the scores: the L2 cache of a core, typically

@@ -1,4 +1,5 @@
-"""The additive attention scores on a CPU, a few images at a time, forward and backward.
+"""The additive attention scores: on a CPU a few images at a time, forward and backward; in one
+piece elsewhere (``whole_scores``).
 
     e_ti = 2 w^T sigmoid(2 (W_a a_i + b + U_a h_{t-1}))        (attention.py says why 2 and 2)
 
@@ -102,6 +103,12 @@ def piecewise_scores(
     if not isinstance(keys, SharedKeys):  # a single call: its own buffer
         keys = SharedKeys(keys)
     return _Scores.apply(keys.anchor, u, w2, keys, per_piece)
+
+
+def whole_scores(p: torch.Tensor, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The same scores in one piece, by autograd (a GPU, torch.compile, autocast):
+    (n, L, A), (n, beams, 1, A), (A,) -> (n, beams, L)."""
+    return _sigmoids(p, u) @ w2
 
 
 def _forward(keys: torch.Tensor, u: torch.Tensor, w2: torch.Tensor, per_piece: int):
