@@ -26,6 +26,7 @@ from showattendtell.graphed import GraphedLoss
 from showattendtell.losses import hard_attention_loss, soft_attention_loss
 
 try:
+    from benchmarks.caption_throughput import peak_memory_mb
     from tests.oracles.peer import PeerDecoder, peer_loss
 except ModuleNotFoundError:  # run as a script: the tests' package is not importable
     raise SystemExit(
@@ -77,16 +78,7 @@ def flops_per_token(cfg: DecoderConfig, L: int, D: int, V: int, tokens_per_capti
     return 3 * (per_token + per_caption / tokens_per_caption)
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """The process's peak memory so far: resident set on a CPU, allocated tensors on a GPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource  # Unix only
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
-
-
-def time_steps(steps: dict, device, warmup: int, reps: int) -> tuple[dict[str, float], float]:
+def time_steps(steps: dict, device, warmup: int, reps: int) -> tuple[dict[str, float], dict]:
     """Median seconds per step of each named step, and the peak memory after the first one's
     warm-up steps (before any other step ran). After ``warmup`` steps each, the steps take
     turns (a, b, a, b, ...): this machine's speed drifts by 15 % between runs and within one,
@@ -218,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         steps["peer"] = train_step(
             peer, lambda: peer_loss(peer, feats, caps, lengths), device, args.precision
         )
-    times, peak_mb = time_steps(steps, device, 2 if device.type == "cuda" else 1, args.reps)
+    times, memory = time_steps(steps, device, 2 if device.type == "cuda" else 1, args.reps)
     t_fast, t_peer = times["ours"], times.get("peer")
     fpt = flops_per_token(cfg, L, D, V, n_tokens / B)
     tok_s = n_tokens / t_fast
@@ -243,7 +235,9 @@ def main(argv: list[str] | None = None) -> dict:
         "matmul_gflops": round(peak, 1),
         "fraction_of_peak": round(tok_s * fpt / 1e9 / peak, 3),
         "threads": torch.get_num_threads(),
-        "peak_memory_mb": round(peak_mb),
+        # the process's peak after our warm-up steps, before the peer's first one
+        "peak_rss_mb": memory["peak_rss_mb"],
+        **({"peak_gpu_mb": memory["peak_gpu_mb"]} if "peak_gpu_mb" in memory else {}),
     }
     if t_peer is not None:
         result["peer_tokens_per_s"] = round(n_tokens / t_peer, 1)
