@@ -1,7 +1,8 @@
 """The decoder's inference shortcuts (decoder.py): each must compute what the plain step does."""
 
+import pytest
 import torch
-from helpers import feats, make_batch, small_decoder
+from helpers import CountOperations, feats, make_batch, small_decoder
 
 from showattendtell.decoding import START
 
@@ -113,7 +114,7 @@ def test_cpu_training_scores_in_pieces_give_the_plain_values_and_gradients(monke
     """On a CPU the training pass takes the attention scores a few images at a time, with one
     gradient buffer for W_a a shared by all words (piecewise_scores.py). Both recurrences, both
     attends, soft and hard: the same losses and gradients as the scores computed whole by
-    autograd."""
+    autograd, in the sigmoid form (a CPU's) and with tanh itself (a GPU's)."""
     from showattendtell import attention
     from showattendtell.losses import hard_attention_loss, soft_attention_loss
 
@@ -125,10 +126,12 @@ def test_cpu_training_scores_in_pieces_give_the_plain_values_and_gradients(monke
         dec = small_decoder(attention=kind, attend=attend, seed=7).double()
         for fixed in (False, True):
             results = []
-            for piecewise in (True, False):
+            for scores in ("pieces", "sigmoid", "tanh"):
                 with monkeypatch.context() as m:
-                    if not piecewise:
+                    if scores != "pieces":
                         m.setattr(attention, "PIECEWISE_ON_CPU", False)
+                    if scores == "tanh":
+                        m.setattr(attention, "SLOW_TANH", set())
                     mode = "forced" if kind == "hard" else "expectation"
                     out = dec(a, caps, lengths, mode=mode, locations=locs, fixed_shape=fixed)
                 terms = (
@@ -138,10 +141,11 @@ def test_cpu_training_scores_in_pieces_give_the_plain_values_and_gradients(monke
                 )
                 grads = torch.autograd.grad(terms.loss, list(dec.parameters()))
                 results.append((terms.loss, grads))
-            (lp, gp), (lw, gw) = results
-            torch.testing.assert_close(lp, lw, rtol=0, atol=1e-12)
-            for (name, _), x, y in zip(dec.named_parameters(), gp, gw, strict=True):
-                torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12, msg=name)
+            (lp, gp), *others = results
+            for lw, gw in others:
+                torch.testing.assert_close(lp, lw, rtol=0, atol=1e-12)
+                for (name, _), x, y in zip(dec.named_parameters(), gp, gw, strict=True):
+                    torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_shared_keys_give_no_gradient_to_rows_no_word_read():
@@ -157,3 +161,33 @@ def test_shared_keys_give_no_gradient_to_rows_no_word_read():
     (grad,) = torch.autograd.grad(att.weights(keys[:3], hidden)[:, 0].sum(), projected)
     assert grad[:3].abs().sum() > 0
     assert torch.equal(grad[3:], torch.zeros_like(grad[3:]))
+
+
+@pytest.mark.parametrize(("attention", "most"), [("soft", 44), ("hard", 42)])
+def test_the_fixed_shape_pass_takes_few_operations_per_word(monkeypatch, attention, most):
+    """A GPU runs a training step of small per-word tensors at the pace of its kernel launches.
+    The operations one more word adds to the fixed-shape pass (the GPU's: scores whole, tanh
+    itself), forward and backward: at most ``most``. Soft attention took 59 with each word's
+    own weight gradients (deferred_linear.py), the sigmoid form, f_beta's bias added apart and
+    autograd's LSTM cell (lstm_cell.py)."""
+    from showattendtell import attention as attention_module
+    from showattendtell.losses import hard_attention_loss, soft_attention_loss
+
+    monkeypatch.setattr(attention_module, "PIECEWISE_ON_CPU", False)
+    monkeypatch.setattr(attention_module, "SLOW_TANH", set())
+    a, caps, lengths = make_batch(B=6, T=9, L=5, D=12)
+    dec = small_decoder(attention=attention).train()
+    mode = "expectation" if attention == "soft" else "sample"
+    per_length = []
+    for T in (8, 9):
+        with CountOperations() as ops:
+            out = dec(a, caps[:, : T + 1], lengths.clamp_max(T), mode=mode, fixed_shape=True)
+            terms = (
+                soft_attention_loss(out, 6)
+                if attention == "soft"
+                else hard_attention_loss(out, 6, 0.1)
+            )
+            torch.autograd.grad(terms.loss, list(dec.parameters()))
+        per_length.append(ops.counts)
+    per_word = per_length[1] - per_length[0]
+    assert 0 < per_word.total() <= most, per_word

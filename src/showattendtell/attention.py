@@ -45,24 +45,26 @@ class AdditiveAttention(nn.Module):
         of K copies of it. ``projected`` may be ``shared_keys(W_a a + b)``: the keys of every
         word of one teacher-forced pass, with one gradient buffer.
 
-        The scores are computed as 2 w^T sigmoid(2 x_i) for x_i = W_a a_i + U_a h + b: since
-        tanh(x) = 2 sigmoid(2x) - 1, that is w^T tanh(x_i) + sum(w), and a softmax ignores a
-        shift shared by all L scores, so alpha and its gradients are the same. Why: on a CPU
+        On a CPU the scores are computed as 2 w^T sigmoid(2 x_i) for x_i = W_a a_i + U_a h + b:
+        since tanh(x) = 2 sigmoid(2x) - 1, that is w^T tanh(x_i) + sum(w), and a softmax ignores
+        a shift shared by all L scores, so alpha and its gradients are the same. Why: there
         torch's tanh is far slower than its sigmoid, and this form makes 2 fewer passes over
         the (N, L, A) tensor than 2 sigmoid(2x) - 1. On a CPU the images are also taken a few
         at a time (``CPU_SCORE_BYTES``), forward and backward, so that the tensor stays in the
         cache (piecewise_scores.py; faster than torch.tanh for a beam-3 step:
-        benchmarks/README.md).
+        benchmarks/README.md). Elsewhere (``SLOW_TANH``) w^T tanh(x_i) itself: one pass fewer
+        each way, and no per-word 2 w.
         """
         G, L, A = projected.shape
         u = hidden_proj.view(G, beams, 1, A)
-        w2 = 2 * self.score.weight.view(A)
+        w = self.score.weight.view(A)
         if _piecewise(projected):
             # in pieces of images that stay in the cache, forward and backward
             per_piece = max(1, CPU_SCORE_BYTES // (beams * L * A * projected.element_size()))
-            e = piecewise_scores(projected, u, w2, per_piece)
+            e = piecewise_scores(projected, u, 2 * w, per_piece)
         else:  # a GPU, torch.compile (which fuses these operations itself), autocast: whole
-            e = whole_scores(projected, u, w2)
+            tanh = projected.device.type not in SLOW_TANH
+            e = whole_scores(projected, u, w if tanh else 2 * w, tanh)
         return F.softmax(e.view(G * beams, L), dim=1)  # (G, beams, L) -> (N, L)
 
 
@@ -76,6 +78,8 @@ def _piecewise(projected: torch.Tensor | SharedKeys) -> bool:
 
 
 PIECEWISE_ON_CPU = True  # False: the scores whole, by autograd, as on a GPU (for comparisons)
+
+SLOW_TANH = {"cpu"}  # devices whose whole scores take the sigmoid form (see weights())
 
 
 CPU_SCORE_BYTES = 2 * 2**20  # one piece of the scores: the L2 cache of a core, typically

@@ -21,6 +21,7 @@ mask (Decoder.forward's ``fixed_shape``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -35,6 +36,8 @@ from showattendtell.attention import (
     gather_locations,
     sample_locations,
 )
+from showattendtell.deferred_linear import DeferredLinear
+from showattendtell.lstm_cell import lstm_cell
 from showattendtell.piecewise_scores import SharedKeys
 from showattendtell.settings import CONTEXT_MODES  # noqa: F401 - a step's attention modes
 from showattendtell.vocab import END
@@ -127,6 +130,15 @@ class DecoderState:
         return replace(self, h=self.h[rows], c=self.c[rows], beams=beams, **self._images(images))
 
 
+class Matmuls(NamedTuple):
+    """The matmuls of one word that take h or z (Decoder.matmuls)."""
+
+    hidden: Callable[[torch.Tensor], torch.Tensor]  # h (N, H) -> (N, 4H + A + 1) or (N, 4H)
+    attend: Callable[[torch.Tensor], torch.Tensor] | None  # h_t -> (N, A + 1): attend "after"
+    context: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # z (N, D), gates -> + W z
+    beta_bias: torch.Tensor | None  # f_beta's bias where ``hidden`` / ``attend`` leave it out
+
+
 class Step(NamedTuple):
     """One word of decoding for every row of a DecoderState."""
 
@@ -180,6 +192,7 @@ class Decoder(nn.Module):
         mode: str,
         locations: torch.Tensor | None = None,
         beams: int = 1,
+        matmuls: Matmuls | None = None,
     ):
         """Attend and update the LSTM for one word.
 
@@ -188,43 +201,63 @@ class Decoder(nn.Module):
         context, soft attention), "sample" (hard, s_t ~ alpha_t), "argmax" (hard, most likely
         location) or "forced" (hard, s_t given in ``locations``). ``beams`` > 1: rows come in
         groups of that many per image of ``projected`` / ``annotations`` (see DecoderState).
-        Returns h, c, z, alpha, s_t (None for the expected context).
+        ``matmuls``: those of a teacher-forced pass (``matmuls(deferred=True)``); None: the
+        layers themselves. Returns h, c, z, alpha, s_t (None for the expected context).
         """
         H, A = self.config.hidden_dim, self.config.attention_dim
-        hp = self.hidden_proj(h)
+        mm = matmuls or self.matmuls()
+        hp = mm.hidden(h)
         # split, not sliced: the backward pass joins the parts' gradients in one operation,
         # where each slice would zero-fill a gradient of the whole and add it
-        if self.attend_proj is not None:  # attend "after": the LSTM step first, then attend
-            h, c = self._lstm(gate_x + hp, c)
-            att_h, beta = self.attend_proj(h).split([A, 1], dim=1)
-            z, alpha, s = self._attend(att_h, beta, projected, annotations, mode, locations, beams)
+        if mm.attend is not None:  # attend "after": the LSTM step first, then attend
+            h, c = lstm_cell(gate_x + hp, c)
+            att_h, beta = mm.attend(h).split([A, 1], dim=1)
+            z, alpha, s = self._attend(
+                att_h, beta, mm.beta_bias, projected, annotations, mode, locations, beams
+            )
             return h, c, z, alpha, s
         recurrent, att_h, beta = hp.split([4 * H, A, 1], dim=1)
-        z, alpha, s = self._attend(att_h, beta, projected, annotations, mode, locations, beams)
-        h, c = self._lstm(gate_x + recurrent + self.gate_context(z), c)
+        z, alpha, s = self._attend(
+            att_h, beta, mm.beta_bias, projected, annotations, mode, locations, beams
+        )
+        h, c = lstm_cell(mm.context(z, gate_x + recurrent), c)
         return h, c, z, alpha, s
 
-    @staticmethod
-    def _lstm(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h_t, c_t from the gates' pre-activations (B, 4H) and c_{t-1}. The three sigmoid
-        gates lie side by side (i f o g), so one sigmoid covers them: one operation forward and
-        backward where three would be (on a GPU each is a kernel per word)."""
-        ifo, g = gates.split([3 * c.size(1), c.size(1)], dim=1)
-        i, f, o = torch.sigmoid(ifo).chunk(3, 1)
-        c = f * c + i * torch.tanh(g)
-        return o * torch.tanh(c), c
+    def matmuls(self, deferred: bool = False) -> Matmuls:
+        """The per-word matmuls of h and z. ``deferred``: as DeferredLinear, for the words of
+        one teacher-forced pass (each weight's gradient one product after every word, f_beta's
+        bias added by the matmul); otherwise the layers themselves (search, one word a call)."""
+        if not deferred:
+            return Matmuls(
+                self.hidden_proj,
+                self.attend_proj,
+                lambda z, gates: gates + self.gate_context(z),
+                self.beta_bias,
+            )
+        # f_beta's bias as the last entry of the bias of the matmul that gives f_beta(h)
+        beta_of = self.hidden_proj if self.attend_proj is None else self.attend_proj
+        bias = F.pad(self.beta_bias, (beta_of.out_features - 1, 0))  # (out,), zeros but one
+        if self.attend_proj is None:
+            hidden, attend = DeferredLinear(self.hidden_proj.weight, bias), None
+        else:
+            hidden = DeferredLinear(self.hidden_proj.weight)
+            attend = DeferredLinear(self.attend_proj.weight, bias)
+        context = DeferredLinear(self.gate_context.weight)
+        return Matmuls(hidden, attend, lambda z, gates: context(z, add=gates), None)
 
     def _attend(
         self,
         att_h: torch.Tensor,
         beta: torch.Tensor,
+        beta_bias: torch.Tensor | None,
         projected: torch.Tensor | SharedKeys,
         annotations: torch.Tensor,
         mode: str,
         locations: torch.Tensor | None,
         beams: int,
     ):
-        """z_t, alpha_t and s_t (None for soft) from U_a h and f_beta(h) (pre-bias)."""
+        """z_t, alpha_t and s_t (None for soft) from U_a h and f_beta(h) (``beta_bias``: the
+        bias still to add to f_beta(h); None: it is in already)."""
         alpha = self.attention.weights(projected, att_h, beams)
         if mode == "expectation":
             if beams == 1:
@@ -248,7 +281,9 @@ class Decoder(nn.Module):
                     torch.arange(len(s), device=s.device), beams, rounding_mode="floor"
                 )
                 context = annotations[image, s]
-        z = torch.sigmoid(beta + self.beta_bias) * context
+        if beta_bias is not None:
+            beta = beta + beta_bias
+        z = torch.sigmoid(beta) * context
         return z, alpha, s
 
     def image_gates(self, annotations: torch.Tensor) -> torch.Tensor | None:
@@ -358,7 +393,7 @@ class Decoder(nn.Module):
     def _inputs(self, a: torch.Tensor, caps: torch.Tensor, T: int):
         """What does not depend on h, for all steps at once: the embeddings (B, T, E), their
         share of the gates (with attend "after" the image's too) (B, T, 4H), W_a a (B, L, A;
-        AdditiveAttention.shared_keys) and h_0, c_0."""
+        AdditiveAttention.shared_keys), h_0, c_0 and the pass's matmuls (``matmuls``)."""
         emb = self.embedding(caps[:, :T])  # (B, T, E): inputs y_0..y_{T-1}
         gate_x = self.gate_embed(emb)  # (B, T, 4H), all steps in one matmul
         image_gates = self.image_gates(a)  # (B, 4H) or None
@@ -367,7 +402,7 @@ class Decoder(nn.Module):
         # (B, L, A), once per caption; on a CPU one gradient buffer for all words
         projected = self.attention.shared_keys(self.attention.project_annotations(a))
         h, c = self.init_state(a)  # (B, H) each
-        return emb, gate_x, projected, h, c
+        return emb, gate_x, projected, h, c, self.matmuls(deferred=True)
 
     def _forward_fixed(
         self,
@@ -382,14 +417,13 @@ class Decoder(nn.Module):
         step can be one CUDA graph: graphed.py)."""
         B, T = caps.size(0), caps.size(1) - 1
         live = torch.arange(T, device=a.device) < lengths.unsqueeze(1)  # (B, T)
-        emb, gate_x, projected, h, c = self._inputs(a, caps, T)
+        emb, gate_x, projected, h, c, mm = self._inputs(a, caps, T)
         gates = gate_x.unbind(1)  # T x (B, 4H): see _forward_packed
         forced = None if locations is None else locations[:, :T].clamp_min(0)
         hs, zs, alphas, ss = [], [], [], []
         for t in range(T):
-            h, c, z, alpha, s = self.recurrent_step(
-                gates[t], h, c, projected, a, mode, None if forced is None else forced[:, t]
-            )
+            s_t = None if forced is None else forced[:, t]
+            h, c, z, alpha, s = self.recurrent_step(gates[t], h, c, projected, a, mode, s_t, 1, mm)
             hs.append(h)
             zs.append(z)
             alphas.append(alpha)
@@ -441,7 +475,7 @@ class Decoder(nn.Module):
             .sum(1)
             .tolist()
         ]  # n_t for t < T
-        emb, gate_x, projected, h, c = self._inputs(a, caps, T)
+        emb, gate_x, projected, h, c, mm = self._inputs(a, caps, T)
         # T x (B, 4H), unbound once: taking step t as gate_x[:, t] would zero-fill a gradient
         # of all (B, T, 4H) for every step in the backward pass; unbound, one stack joins them
         gates = gate_x.unbind(1)
@@ -460,6 +494,7 @@ class Decoder(nn.Module):
                 a,
                 mode,
                 None if forced is None else forced[:n, t],
+                matmuls=mm,
             )
             hs.append(h)
             zs.append(z)

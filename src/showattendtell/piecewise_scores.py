@@ -105,10 +105,13 @@ def piecewise_scores(
     return _Scores.apply(keys.anchor, u, w2, keys, per_piece)
 
 
-def whole_scores(p: torch.Tensor, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """The same scores in one piece, by autograd (a GPU, torch.compile, autocast):
-    (n, L, A), (n, beams, 1, A), (A,) -> (n, beams, L)."""
-    return _sigmoids(p, u) @ w2
+def whole_scores(p: torch.Tensor, u: torch.Tensor, w: torch.Tensor, tanh: bool) -> torch.Tensor:
+    """The scores in one piece, by autograd (a GPU, torch.compile, autocast): (n, L, A),
+    (n, beams, 1, A), (A,) -> (n, beams, L). ``tanh``: w^T tanh(p + u), for w; otherwise the
+    same scores shifted by sum(w), 2 w^T sigmoid(2 (p + u)), for w = 2 w (attention.py)."""
+    if tanh:
+        return torch.tanh(p.unsqueeze(1) + u) @ w
+    return _sigmoids(p, u) @ w
 
 
 def _forward(keys: torch.Tensor, u: torch.Tensor, w2: torch.Tensor, per_piece: int):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from showattendtell.decoder import Decoder, DecoderConfig
 from showattendtell.decoding import END, UNK
@@ -64,3 +67,27 @@ def count_host_syncs(monkeypatch) -> list[str]:
         monkeypatch.setattr(torch.Tensor, name, counting)
     monkeypatch.setattr(torch, "nonzero", lambda *a, **k: calls.append("torch.nonzero"))
     return calls
+
+
+# what moves no data: views and allocations, which launch no kernel on a GPU
+METADATA_OPS = {
+    "view", "t", "transpose", "unsqueeze", "squeeze", "as_strided", "expand", "split",
+    "split_with_sizes", "chunk", "unbind", "select", "slice", "_reshape_alias", "detach",
+    "empty", "empty_like", "empty_strided", "alias", "permute", "_unsafe_view", "lift_fresh",
+}  # fmt: skip
+
+
+class CountOperations(TorchDispatchMode):
+    """Counts the operations that reach a device's kernels (after autograd and the composite
+    operations are taken apart), forward and backward alike: on a GPU each is a kernel launch,
+    what a step of small tensors is bound by. ``counts``: operation name -> calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in METADATA_OPS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
