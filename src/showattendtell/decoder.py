@@ -16,7 +16,10 @@ Fast path: what does not change per word is computed once per caption or once pe
 output + vocabulary projection for all tokens after the recurrence. The recurrent matmul, U_a h
 and f_beta h are one fused matmul. On a CPU rows whose caption has ended are dropped (captions
 sorted by length, as in pack_padded_sequence); on a GPU every row runs every step with a loss
-mask (Decoder.forward's ``fixed_shape``).
+mask (Decoder.forward's ``fixed_shape``). In a teacher-forced pass the per-word matmuls' weights
+get their gradients in one product after the last word (deferred_linear.py), and the LSTM cell's
+backward pass is written out (lstm_cell.py): a GPU runs a word's many small operations one
+kernel each, so fewer of them make its step faster.
 """
 
 from __future__ import annotations
@@ -402,7 +405,9 @@ class Decoder(nn.Module):
         # (B, L, A), once per caption; on a CPU one gradient buffer for all words
         projected = self.attention.shared_keys(self.attention.project_annotations(a))
         h, c = self.init_state(a)  # (B, H) each
-        return emb, gate_x, projected, h, c, self.matmuls(deferred=True)
+        # torch.compile takes the plain matmuls: it fuses and schedules the pass itself
+        matmuls = self.matmuls(deferred=not torch.compiler.is_compiling())
+        return emb, gate_x, projected, h, c, matmuls
 
     def _forward_fixed(
         self,

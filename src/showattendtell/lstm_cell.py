@@ -20,7 +20,8 @@ from torch.autograd.function import once_differentiable
 def lstm_cell(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """h_t, c_t (B, H) from the gates' pre-activations (B, 4H), in the order i f o g, and
     c_{t-1} (B, H). The three sigmoid gates lie side by side: one sigmoid covers them."""
-    if torch.is_grad_enabled() and (gates.requires_grad or c.requires_grad):
+    trained = torch.is_grad_enabled() and (gates.requires_grad or c.requires_grad)
+    if trained and not torch.compiler.is_compiling():  # torch.compile fuses the plain lines
         return _Cell.apply(gates, c)
     H = c.size(1)
     ifo, g = gates.split([3 * H, H], dim=1)
