@@ -82,6 +82,33 @@ def test_graphed_training_step_gives_eager_loss_and_gradients(attention):
     assert torch.allclose(got, expected)
 
 
+@pytest.mark.parametrize("attend", ["before", "after"])
+def test_the_gpu_training_pass_gives_the_reference_equations(attend):
+    """The pass a GPU trains with (fixed shape, scores whole with tanh, the per-word weight
+    gradients deferred, the written-out LSTM cell) against the plain equations on the GPU;
+    and under bf16 autocast, gradients in float32 close to float32's."""
+    from helpers import make_batch, small_decoder
+    from oracles.equations import reference_soft_loss
+
+    from showattendtell.losses import soft_attention_loss
+
+    a, caps, lengths = (x.cuda() for x in make_batch(B=6, T=9, L=7, D=12))
+    dec = small_decoder(attend=attend).cuda()
+    params = list(dec.parameters())
+    fast = soft_attention_loss(dec(a, caps, lengths), 6, lam=1.0).loss
+    slow = reference_soft_loss(dec, a, caps, lengths, lam=1.0)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    names = [name for name, _ in dec.named_parameters()]
+    want = torch.autograd.grad(slow, params)
+    for name, got, w in zip(names, torch.autograd.grad(fast, params), want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.autocast(a.device.type, torch.bfloat16):
+        mixed = soft_attention_loss(dec(a, caps, lengths), 6, lam=1.0).loss
+    for name, got, w in zip(names, torch.autograd.grad(mixed, params), want, strict=True):
+        assert got.dtype == torch.float32, name
+        torch.testing.assert_close(got, w, rtol=0.1, atol=0.05, msg=name)
+
+
 def test_sat_caption_records_its_graphs_beside_the_decoding_processes(tmp_path):
     """Many photos, decoding processes and the pin-memory thread busy while the search graph
     records: no recording may fail (it did in CUDA's global capture mode)."""
