@@ -167,9 +167,9 @@ def test_shared_keys_give_no_gradient_to_rows_no_word_read():
 def test_the_fixed_shape_pass_takes_few_operations_per_word(monkeypatch, attention, most):
     """A GPU runs a training step of small per-word tensors at the pace of its kernel launches.
     The operations one more word adds to the fixed-shape pass (the GPU's: scores whole, tanh
-    itself), forward and backward: at most ``most``. Soft attention took 59 with each word's
-    own weight gradients (deferred_linear.py), the sigmoid form, f_beta's bias added apart and
-    autograd's LSTM cell (lstm_cell.py)."""
+    itself), forward and backward: at most ``most``. By autograd alone (each word's own weight
+    gradients, not deferred_linear.py; autograd's LSTM cell, not lstm_cell.py; f_beta's bias
+    added apart; the sigmoid form) soft attention takes 59."""
     from showattendtell import attention as attention_module
     from showattendtell.losses import hard_attention_loss, soft_attention_loss
 
