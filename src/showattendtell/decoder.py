@@ -396,7 +396,13 @@ class Decoder(nn.Module):
     def _inputs(self, a: torch.Tensor, caps: torch.Tensor, T: int):
         """What does not depend on h, for all steps at once: the embeddings (B, T, E), their
         share of the gates (with attend "after" the image's too) (B, T, 4H), W_a a (B, L, A;
-        AdditiveAttention.shared_keys), h_0, c_0 and the pass's matmuls (``matmuls``)."""
+        AdditiveAttention.shared_keys), h_0, c_0, the pass's matmuls (``matmuls``) and the grid
+        as the words read it (B, L, D).
+
+        Under autocast that grid is cast to autocast's dtype here, once: autocast would cast
+        it for every word's context (at batch 64 a 100 MB read and a 50 MB write a word in
+        bf16, more than the context itself). Not where the grid takes a gradient (a trained
+        encoder): there every word's gradient is cast back and summed in float32."""
         emb = self.embedding(caps[:, :T])  # (B, T, E): inputs y_0..y_{T-1}
         gate_x = self.gate_embed(emb)  # (B, T, 4H), all steps in one matmul
         image_gates = self.image_gates(a)  # (B, 4H) or None
@@ -407,7 +413,10 @@ class Decoder(nn.Module):
         h, c = self.init_state(a)  # (B, H) each
         # torch.compile takes the plain matmuls: it fuses and schedules the pass itself
         matmuls = self.matmuls(deferred=not torch.compiler.is_compiling())
-        return emb, gate_x, projected, h, c, matmuls
+        grid, device = a, a.device.type
+        if torch.is_autocast_enabled(device) and not a.requires_grad:
+            grid = a.to(torch.get_autocast_dtype(device))
+        return emb, gate_x, projected, h, c, matmuls, grid
 
     def _forward_fixed(
         self,
@@ -422,13 +431,15 @@ class Decoder(nn.Module):
         step can be one CUDA graph: graphed.py)."""
         B, T = caps.size(0), caps.size(1) - 1
         live = torch.arange(T, device=a.device) < lengths.unsqueeze(1)  # (B, T)
-        emb, gate_x, projected, h, c, mm = self._inputs(a, caps, T)
+        emb, gate_x, projected, h, c, mm, grid = self._inputs(a, caps, T)
         gates = gate_x.unbind(1)  # T x (B, 4H): see _forward_packed
         forced = None if locations is None else locations[:, :T].clamp_min(0)
         hs, zs, alphas, ss = [], [], [], []
         for t in range(T):
             s_t = None if forced is None else forced[:, t]
-            h, c, z, alpha, s = self.recurrent_step(gates[t], h, c, projected, a, mode, s_t, 1, mm)
+            h, c, z, alpha, s = self.recurrent_step(
+                gates[t], h, c, projected, grid, mode, s_t, 1, mm
+            )
             hs.append(h)
             zs.append(z)
             alphas.append(alpha)
@@ -480,7 +491,7 @@ class Decoder(nn.Module):
             .sum(1)
             .tolist()
         ]  # n_t for t < T
-        emb, gate_x, projected, h, c, mm = self._inputs(a, caps, T)
+        emb, gate_x, projected, h, c, mm, a = self._inputs(a, caps, T)  # a: the words' grid
         # T x (B, 4H), unbound once: taking step t as gate_x[:, t] would zero-fill a gradient
         # of all (B, T, 4H) for every step in the backward pass; unbound, one stack joins them
         gates = gate_x.unbind(1)
