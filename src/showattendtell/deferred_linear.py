@@ -19,12 +19,14 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from showattendtell.grad_anchor import Anchor
+
 
 class DeferredLinear:
     """``x W^T + bias``, or ``x W^T + add``, for the words of one teacher-forced pass.
 
-    Every word's output takes ``anchor`` as an input, so autograd runs ``_Anchor``'s backward
-    (the weight's gradient) after every word's backward pass, as SharedKeys does for W_a a.
+    Every word's output takes ``anchor`` as an input, so autograd asks for the weight's
+    gradient (``take``) after every word's backward pass (grad_anchor.py).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -35,10 +37,10 @@ class DeferredLinear:
         self.weight = weight.detach().to(self.dtype)  # (out, in)
         self.bias = None if bias is None else bias.detach().to(self.dtype)  # (out,)
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # each word's x, grad of y
+        self.dtypes = weight.dtype, None if bias is None else bias.dtype
         trained = weight.requires_grad or (bias is not None and bias.requires_grad)
         needed = torch.is_grad_enabled() and trained
-        # (0,): ties the words' outputs to the weight's place in the graph
-        self.anchor = _Anchor.apply(weight, bias, self) if needed else None
+        self.anchor = Anchor.apply(self, weight, bias) if needed else None  # (0,)
 
     def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """(N, in) -> (N, out); ``add`` (N, out) in place of the bias."""
@@ -47,6 +49,17 @@ class DeferredLinear:
         if self.anchor is None:
             return self.forward(x.to(self.dtype), add)
         return _Word.apply(x, add, self.anchor, self)
+
+    def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The weight's and the bias's gradients: one product over every word's rows."""
+        pairs, self.pairs = self.pairs, []
+        if not pairs:  # no word's output reached the loss
+            return None, None
+        x = torch.cat([x for x, _ in pairs])  # (T x B, in), the words in any order
+        grad_y = torch.cat([g for _, g in pairs])  # (T x B, out), the same order
+        weight_dtype, bias_dtype = self.dtypes
+        grad_w = torch.mm(grad_y.t(), x).to(weight_dtype)  # (out, in)
+        return grad_w, None if bias_dtype is None else grad_y.sum(0).to(bias_dtype)
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
         base = self.bias if add is None else add.to(self.dtype)
@@ -73,27 +86,3 @@ class _Word(torch.autograd.Function):
         grad_x = torch.mm(grad_y, linear.weight) if ctx.needs_input_grad[0] else None
         grad_add = grad_y if ctx.needs_input_grad[1] else None
         return grad_x, grad_add, None, None
-
-
-class _Anchor(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, weight, bias, linear: DeferredLinear):
-        ctx.linear = linear
-        ctx.dtypes = weight.dtype, None if bias is None else bias.dtype
-        return weight.new_empty(0)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, _unused):
-        linear: DeferredLinear = ctx.linear
-        pairs, linear.pairs = linear.pairs, []
-        if not pairs:  # no word's output reached the loss
-            return None, None, None
-        x = torch.cat([x for x, _ in pairs])  # (T x B, in), the words in any order
-        grad_y = torch.cat([g for _, g in pairs])  # (T x B, out), the same order
-        weight_dtype, bias_dtype = ctx.dtypes
-        grad_w = torch.mm(grad_y.t(), x).to(weight_dtype)  # (out, in)
-        grad_b = None
-        if bias_dtype is not None and ctx.needs_input_grad[1]:
-            grad_b = grad_y.sum(0).to(bias_dtype)
-        return grad_w if ctx.needs_input_grad[0] else None, grad_b, None

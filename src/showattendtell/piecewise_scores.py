@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from showattendtell.grad_anchor import Anchor
+
 
 class SharedKeys:
     """W_a a + b (B, L, A) of one teacher-forced pass, read by the scores of every word, with
@@ -24,7 +26,7 @@ class SharedKeys:
 
     ``keys[:n]`` are the first n captions' keys (the shrinking batch of the packed recurrence):
     they share the buffer. The words' backward passes run from the last word to the first, so the
-    rows holding a gradient only grow (``filled``); ``_Anchor`` hands the buffer to autograd
+    rows holding a gradient only grow (``filled``); an ``Anchor`` hands the buffer to autograd
     after every word's backward pass, because every word's scores take its output as input.
     """
 
@@ -32,7 +34,7 @@ class SharedKeys:
         self.values = projected.detach()  # (B, L, A)
         self.store = _Store(self.values if projected.requires_grad else None)
         # (0,): a tensor that ties the words' scores to projected's place in the graph
-        self.anchor = _Anchor.apply(projected, self.store) if self.store.needed else None
+        self.anchor = Anchor.apply(self.store, projected) if self.store.needed else None
 
     def __getitem__(self, rows: slice) -> SharedKeys:
         if rows.start not in (None, 0) or rows.step not in (None, 1):
@@ -73,24 +75,12 @@ class _Store:
             self.grad[first + k : end] = grad[k:]
         self.filled = max(self.filled, end)
 
-    def take(self) -> torch.Tensor | None:
+    def take(self) -> tuple[torch.Tensor | None]:
         grad, self.grad = self.grad, None
         if grad is not None:
             grad[self.filled :] = 0  # rows no word read
         self.filled = 0
-        return grad
-
-
-class _Anchor(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, projected: torch.Tensor, store: _Store) -> torch.Tensor:
-        ctx.store = store
-        return projected.new_empty(0)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, _unused):
-        return ctx.store.take(), None
+        return (grad,)
 
 
 def piecewise_scores(
