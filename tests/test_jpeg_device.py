@@ -143,3 +143,53 @@ def test_decoding_on_the_gpu_without_one_is_a_usage_error(tmp_path, capsys):
         "error: --decode-on gpu needs a CUDA GPU (--device cuda); without one, leave it out"
     ]
     assert not out.exists()
+
+
+def test_a_decoding_process_decodes_as_the_main_process(tmp_path, monkeypatch):
+    """Decoding processes decode plain JPEGs with torchvision (``load_jpeg``), the main process
+    with PIL (``load_image``): the same pixels, warnings and error records for every kind of
+    file. Only the plain JPEGs that PIL decodes at full size take torchvision's way."""
+    from showattendtell import jpeg_device
+
+    plain = [quadrants(tmp_path / f"turned{o}.jpg", o) for o in range(1, 9)]
+    Image.fromarray(np.arange(24 * 40, dtype=np.uint8).reshape(24, 40)).save(tmp_path / "l.jpg")
+    plain.append(tmp_path / "l.jpg")
+    big = quadrants(tmp_path / "big.jpg")
+    Image.open(big).resize((80, 48)).save(big)  # twice 16 and more on both sides: PIL reduces
+    others = [big]
+    img = Image.open(plain[0])
+    img.save(tmp_path / "a.png")
+    img.save(tmp_path / "progressive.jpg", progressive=True)
+    img.convert("CMYK").save(tmp_path / "cmyk.jpg")
+    data = plain[0].read_bytes()
+    (tmp_path / "truncated.jpg").write_bytes(data[: len(data) // 2])
+    (tmp_path / "text.jpg").write_text("not a photo")
+    for name in ("a.png", "progressive.jpg", "cmyk.jpg", "truncated.jpg", "text.jpg"):
+        others.append(tmp_path / name)
+    others.append(tmp_path / "missing.jpg")
+
+    by_pil = []
+    monkeypatch.setattr(
+        jpeg_device,
+        "load_image",
+        lambda path, *a, **k: by_pil.append(path) or load_image(path, *a, **k),
+    )
+    cases = [(path, 16) for path in plain + others] + [(path, 260) for path in EXAMPLES]
+    for path, size in cases:  # the example photos: 560 x 420 and 331 x 560, at the model's 260
+        got = jpeg_device.load_jpeg(str(path), size, 3)
+        want = load_image(str(path), size, 3, normalised=False)
+        assert (got.index, got.error, got.warning) == (want.index, want.error, want.warning)
+        assert (got.tensor is None) == (want.tensor is None), path.name
+        assert got.tensor is None or torch.equal(got.tensor, want.tensor), path.name
+    assert sorted(Path(p).name for p in by_pil) == sorted(p.name for p in others)
+
+
+def test_decoding_processes_take_torchvision_s_way(monkeypatch):
+    from showattendtell import images, jpeg_device
+
+    calls = []
+    monkeypatch.setattr(jpeg_device, "load_jpeg", lambda *a: calls.append(a) or "decoded")
+    files = images.ImageFiles([EXAMPLES[0]], 16)
+    assert files[0].tensor is not None and calls == []  # the main process: PIL
+    monkeypatch.setattr(images, "get_worker_info", lambda: object())  # as in a DataLoader worker
+    assert files[0] == "decoded" and calls == [(str(EXAMPLES[0]), 16, 0)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from showattendtell.encoder import IMAGENET_MEAN, IMAGENET_STD
 from showattendtell.errors import UserError
@@ -178,8 +178,13 @@ def resize(img: Image.Image, input_size: int) -> torch.Tensor:
     `sat caption`'s start-up. Bilinear on uint8 runs natively where torch has a vectorised
     kernel (a channels-last view, as torchvision passes it), else in float32, rounded back.
     """
-    x = torch.as_tensor(np.array(img, copy=True)).view(img.height, img.width, -1)
-    x = x.permute(2, 0, 1).unsqueeze(0)  # (1, C, H, W), channels-last in memory
+    pixels = torch.as_tensor(np.array(img, copy=True)).view(img.height, img.width, -1)
+    return resize_pixels(pixels, input_size)
+
+
+def resize_pixels(x: torch.Tensor, input_size: int) -> torch.Tensor:
+    """``resize`` of pixels (H, W, C) uint8."""
+    x = x.permute(2, 0, 1).unsqueeze(0)  # (1, C, H, W)
     if x.shape[-2:] == (input_size, input_size):
         return x[0]
     vectorised = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -307,7 +312,8 @@ class ImageBatch:
 class ImageFiles(Dataset):
     """A map-style dataset over image paths whose items never raise: errors become records.
     Its tensors are resized uint8 images (see ``normalise``); with ``jpeg_on_device`` the
-    JPEGs the GPU decodes are only read (``jpeg_device.read_jpeg``)."""
+    JPEGs the GPU decodes are only read (``jpeg_device.read_jpeg``); in a decoding process
+    plain JPEGs are decoded by torchvision (``jpeg_device.load_jpeg``, the same pixels)."""
 
     def __init__(self, paths: Sequence[str | Path], input_size: int, jpeg_on_device: bool = False):
         self.paths, self.input_size = [str(p) for p in paths], input_size
@@ -321,6 +327,10 @@ class ImageFiles(Dataset):
             from showattendtell.jpeg_device import read_jpeg
 
             return read_jpeg(self.paths[i], self.input_size, i)
+        if get_worker_info() is not None:
+            from showattendtell.jpeg_device import load_jpeg
+
+            return load_jpeg(self.paths[i], self.input_size, i)
         return load_image(self.paths[i], self.input_size, i, normalised=False)
 
 
