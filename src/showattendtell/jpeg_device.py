@@ -1,4 +1,5 @@
-"""JPEG photos decoded in batches on the GPU (nvJPEG, through torchvision), for bulk captioning.
+"""JPEG photos decoded by torchvision for bulk captioning: in batches on the GPU (nvJPEG), or
+one at a time by a decoding process on the CPU (``load_jpeg``, PIL's pixels in less time).
 
 On a GPU machine the CPU's decoding sets `sat caption`'s rate: batched nvJPEG decoding and
 resizing on the GPU is many times one core's rate (benchmarks/README.md). With ``--decode-on
