@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from showattendtell.images import load_batches, load_image
+from showattendtell.images import LoadedImage, load_batches, load_image
 from showattendtell.inference import load_model
 from showattendtell.jpeg_device import decode_jpegs, read_jpeg, upright
 from showattendtell.pipeline import caption_files
@@ -193,3 +193,21 @@ def test_decoding_processes_take_torchvision_s_way(monkeypatch):
     assert files[0].tensor is not None and calls == []  # the main process: PIL
     monkeypatch.setattr(images, "get_worker_info", lambda: object())  # as in a DataLoader worker
     assert files[0] == "decoded" and calls == [(str(EXAMPLES[0]), 16, 0)]
+
+
+def test_a_file_gone_after_its_header_was_read_is_an_error_record(tmp_path, monkeypatch):
+    """Between the header and the bytes the file went away: a record, not a crashed worker."""
+    from showattendtell import jpeg_device
+
+    path = str(quadrants(tmp_path / "q.jpg"))
+
+    def gone(self):
+        raise FileNotFoundError(self)
+
+    monkeypatch.setattr(Path, "read_bytes", gone)
+    for read in (jpeg_device.read_jpeg, jpeg_device.load_jpeg):
+        monkeypatch.setattr(
+            jpeg_device, "load_image", lambda *a, **k: LoadedImage(0, path, error="gone")
+        )
+        item = read(path, 16)
+        assert item.error == "gone" and item.tensor is None and item.jpeg is None

@@ -70,7 +70,10 @@ def read_jpeg(path: str, input_size: int, index: int = 0) -> LoadedImage:
     if header is None:
         return load_image(path, input_size, index, normalised=False)
     size, orientation = header
-    data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+    try:
+        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+    except OSError:  # gone or unreadable since its header was read: load_image's record
+        return load_image(path, input_size, index, normalised=False)
     return LoadedImage(
         index, path, warning=_warning(size, orientation), jpeg=data, orientation=orientation
     )
@@ -81,10 +84,11 @@ def load_jpeg(path: str, input_size: int, index: int = 0) -> LoadedImage:
     PIL would decode at full size decoded by torchvision instead.
 
     Why: decoding sets `sat caption`'s rate on a GPU machine, and torchvision's decoder
-    (libjpeg-turbo, as PIL's) gives the same pixels in less time: 1.99 against 2.67 ms for a
-    640x426 COCO photo on one core here (tests/test_jpeg_device.py checks the pixels). Larger
-    JPEGs stay with PIL, which decodes them at a reduced size (``open_image``'s ``draft``).
-    The main process never comes here: importing torchvision would lengthen the start-up.
+    (libjpeg-turbo, as PIL's) gives the same pixels in less time: decoded and resized, a 640x426
+    COCO photo takes 2.6 ms against 3.2 ms on one core here (tests/test_jpeg_device.py checks
+    the pixels). Larger JPEGs stay with PIL, which decodes them at a reduced size
+    (``open_image``'s ``draft``). The main process never comes here: importing torchvision
+    would lengthen the start-up.
     """
     header = _header(path)
     if header is None or min(s // input_size for s in header[0]) >= 2:  # PIL would reduce it
@@ -97,7 +101,7 @@ def load_jpeg(path: str, input_size: int, index: int = 0) -> LoadedImage:
             warnings.simplefilter("ignore")
             data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
             x = decode_jpeg(data, mode=ImageReadMode.RGB)  # (3, H, W) as stored
-    except RuntimeError:  # PIL's error record, or PIL's pixels where it can read the file
+    except (RuntimeError, OSError):  # PIL's error record, or PIL's pixels where it reads it
         return load_image(path, input_size, index, normalised=False)
     tensor = resize_pixels(upright(x, orientation).permute(1, 2, 0), input_size)  # (H, W, 3)
     return LoadedImage(index, path, tensor=tensor, warning=_warning(size, orientation))
