@@ -63,8 +63,7 @@ class AdditiveAttention(nn.Module):
             per_piece = max(1, CPU_SCORE_BYTES // (beams * L * A * projected.element_size()))
             e = piecewise_scores(projected, u, 2 * w, per_piece)
         else:  # a GPU, torch.compile (which fuses these operations itself), autocast: whole
-            tanh = projected.device.type not in SLOW_TANH
-            e = whole_scores(projected, u, w if tanh else 2 * w, tanh)
+            e = whole_scores(projected, u, w, tanh=projected.device.type not in SLOW_TANH)
         return F.softmax(e.view(G * beams, L), dim=1)  # (G, beams, L) -> (N, L)
 
 

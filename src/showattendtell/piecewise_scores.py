@@ -97,11 +97,11 @@ def piecewise_scores(
 
 def whole_scores(p: torch.Tensor, u: torch.Tensor, w: torch.Tensor, tanh: bool) -> torch.Tensor:
     """The scores in one piece, by autograd (a GPU, torch.compile, autocast): (n, L, A),
-    (n, beams, 1, A), (A,) -> (n, beams, L). ``tanh``: w^T tanh(p + u), for w; otherwise the
-    same scores shifted by sum(w), 2 w^T sigmoid(2 (p + u)), for w = 2 w (attention.py)."""
+    (n, beams, 1, A), (A,) -> (n, beams, L). ``tanh``: w^T tanh(p + u); otherwise the same
+    scores shifted by sum(w), 2 w^T sigmoid(2 (p + u)) (attention.py says why)."""
     if tanh:
         return torch.tanh(p.unsqueeze(1) + u) @ w
-    return _sigmoids(p, u) @ w
+    return _sigmoids(p, u) @ (2 * w)
 
 
 def _forward(keys: torch.Tensor, u: torch.Tensor, w2: torch.Tensor, per_piece: int):
