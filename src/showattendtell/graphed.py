@@ -83,8 +83,7 @@ class GraphedLoss:
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if inputs[0].device.type != "cuda":  # nothing to record: fn itself (tests run this)
             return self.call(*inputs)
-        amp = torch.is_autocast_enabled("cuda")
-        dtype = torch.get_autocast_dtype("cuda") if amp else None
+        dtype = _autocast_dtype()
         key = (
             *((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs),
             dtype,
@@ -93,7 +92,7 @@ class GraphedLoss:
         if self.key is None and not self.failed:
             self.key = key
             try:
-                self.graphed = self._record(inputs, amp, dtype)
+                self.graphed = self._record(inputs, dtype)
             except RuntimeError as e:  # torch.AcceleratorError included
                 self.failed = True
                 warnings.warn(
@@ -106,14 +105,14 @@ class GraphedLoss:
         # the graph's output tensors are overwritten by the next replay: hand out copies
         return tuple(o.clone() for o in self.graphed(*inputs))
 
-    def _record(self, inputs: tuple[torch.Tensor, ...], amp: bool, dtype) -> nn.Module:
+    def _record(self, inputs: tuple[torch.Tensor, ...], dtype) -> nn.Module:
         sample = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
         call = _Call(self.call.module, self.call.fn).train(self.call.module.training)
         # The recording's gradient accumulators run on its side stream and later backward
         # passes on the default one, as make_graphed_callables intends; autograd would warn
         # of that at every run (one line about streams that a user cannot act on).
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
-        with autocast_nocache(amp, dtype):
+        with autocast_nocache(dtype):
             return torch.cuda.make_graphed_callables(
                 call,
                 sample,
@@ -170,8 +169,7 @@ class GraphedFunction:
     def _key(inputs: tuple[torch.Tensor, ...], key: tuple, rows: int | None = None) -> tuple:
         """What a graph is recorded for: the inputs' shapes (their first dimension ``rows``
         where given) and dtypes, the autocast state and the caller's key."""
-        amp = torch.is_autocast_enabled("cuda")
-        dtype = torch.get_autocast_dtype("cuda") if amp else None
+        dtype = _autocast_dtype()
         shapes = (x.shape if rows is None else (rows, *x.shape[1:]) for x in inputs)
         return (*((tuple(s), x.dtype) for s, x in zip(shapes, inputs, strict=True)), dtype, *key)
 
@@ -186,8 +184,6 @@ class GraphedFunction:
             ]
 
     def __call__(self, *inputs: torch.Tensor, key: tuple = ()) -> tuple[torch.Tensor, ...]:
-        amp = torch.is_autocast_enabled("cuda")
-        dtype = torch.get_autocast_dtype("cuda") if amp else None
         full = self._key(inputs, key)
         with self.lock:
             entry = self.graphs.get(full)
@@ -195,7 +191,7 @@ class GraphedFunction:
                 if len(self.graphs) >= MAX_GRAPHS:
                     self.graphs.pop(next(iter(self.graphs)))
                 try:
-                    entry = self.graphs[full] = self._record(inputs, amp, dtype)
+                    entry = self.graphs[full] = self._record(inputs, _autocast_dtype())
                 except RuntimeError as e:  # torch.AcceleratorError included
                     self.failures += 1
                     if self.failures == MAX_FAILURES:
@@ -212,18 +208,18 @@ class GraphedFunction:
             graph.replay()
             return tuple(o.clone() for o in static_outputs)
 
-    def _record(self, inputs: tuple[torch.Tensor, ...], amp: bool, dtype) -> tuple:
+    def _record(self, inputs: tuple[torch.Tensor, ...], dtype) -> tuple:
         static = tuple(x.clone() for x in inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), autocast_nocache(amp, dtype):
+        with torch.cuda.stream(side), autocast_nocache(dtype):
             for _ in range(2):  # warm-up off the capture: cuBLAS handles, lazy tables
                 self.fn(*static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with (
             torch.cuda.graph(graph, **_capture_mode(torch.cuda.graph)),
-            autocast_nocache(amp, dtype),
+            autocast_nocache(dtype),
         ):
             outputs = tuple(self.fn(*static))
         return graph, static, outputs
@@ -240,7 +236,12 @@ def _capture_mode(record: Callable) -> dict:
     )
 
 
-def autocast_nocache(enabled: bool, dtype) -> torch.autocast:
-    """The caller's CUDA autocast state with its weight cache off: a graph must cast the
-    weights inside itself, not read a cast made outside it (or freed with it)."""
-    return torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False)
+def _autocast_dtype() -> torch.dtype | None:
+    """CUDA autocast's dtype, None where it is off: part of what a graph is recorded for."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+
+
+def autocast_nocache(dtype: torch.dtype | None) -> torch.autocast:
+    """The caller's CUDA autocast state (``_autocast_dtype``) with its weight cache off: a graph
+    must cast the weights inside itself, not read a cast made outside it (or freed with it)."""
+    return torch.autocast("cuda", dtype=dtype, enabled=dtype is not None, cache_enabled=False)
