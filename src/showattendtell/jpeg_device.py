@@ -58,6 +58,10 @@ def _header(path: str) -> tuple[tuple[int, int], int] | None:
         return None
 
 
+def _file_bytes(path: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+
+
 def _warning(size: tuple[int, int], orientation: int) -> str | None:
     w, h = size[::-1] if orientation in QUARTER_TURNS else size
     return size_warning(w, h)
@@ -71,7 +75,7 @@ def read_jpeg(path: str, input_size: int, index: int = 0) -> LoadedImage:
         return load_image(path, input_size, index, normalised=False)
     size, orientation = header
     try:
-        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+        data = _file_bytes(path)
     except OSError:  # gone or unreadable since its header was read: load_image's record
         return load_image(path, input_size, index, normalised=False)
     return LoadedImage(
@@ -97,9 +101,9 @@ def load_jpeg(path: str, input_size: int, index: int = 0) -> LoadedImage:
 
     size, orientation = header
     try:
+        data = _file_bytes(path)
         with warnings.catch_warnings():  # torchvision 0.29 announces a move to TorchCodec
             warnings.simplefilter("ignore")
-            data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
             x = decode_jpeg(data, mode=ImageReadMode.RGB)  # (3, H, W) as stored
     except (RuntimeError, OSError):  # PIL's error record, or PIL's pixels where it reads it
         return load_image(path, input_size, index, normalised=False)
