@@ -61,7 +61,7 @@ class AdditiveAttention(nn.Module):
         if _piecewise(projected):
             # in pieces of images that stay in the cache, forward and backward
             per_piece = max(1, CPU_SCORE_BYTES // (beams * L * A * projected.element_size()))
-            e = piecewise_scores(projected, u, 2 * w, per_piece)
+            e = piecewise_scores(projected, u, w, per_piece)
         else:  # a GPU, torch.compile (which fuses these operations itself), autocast: whole
             e = whole_scores(projected, u, w, tanh=projected.device.type not in SLOW_TANH)
         return F.softmax(e.view(G * beams, L), dim=1)  # (G, beams, L) -> (N, L)

@@ -84,9 +84,10 @@ class _Store:
 
 
 def piecewise_scores(
-    keys: SharedKeys | torch.Tensor, u: torch.Tensor, w2: torch.Tensor, per_piece: int
+    keys: SharedKeys | torch.Tensor, u: torch.Tensor, w: torch.Tensor, per_piece: int
 ) -> torch.Tensor:
-    """e (G, beams, L) from the keys (G, L, A), u = U_a h (G, beams, 1, A) and w2 = 2 w (A,)."""
+    """e (G, beams, L) from the keys (G, L, A), u = U_a h (G, beams, 1, A) and w (A,)."""
+    w2 = 2 * w
     if not torch.is_grad_enabled():  # inference: no graph, no buffer
         values = keys.values if isinstance(keys, SharedKeys) else keys
         return _forward(values, u, w2, per_piece)
