@@ -3,6 +3,8 @@
 forward pass and the losses, and the wrappers' plumbing (on a CPU nothing can be recorded: the
 objective or the search runs itself, with the same results)."""
 
+import contextlib
+
 import pytest
 import torch
 from helpers import count_host_syncs, make_batch, small_decoder
@@ -123,3 +125,54 @@ def test_a_batch_is_padded_to_the_smallest_recorded_graph_that_holds_it():
     assert sorted(graphed.batch_sizes(torch.zeros(16, 4, 3), key=("greedy", 20))) == [32, 128]
     assert graphed.batch_sizes(torch.zeros(16, 4, 3), key=("beam", 20)) == [8]
     assert graphed.batch_sizes(torch.zeros(1, 4, 3), key=("beam", 5)) == []
+
+
+class FakeGraph:  # torch.cuda.graph's calls, without a GPU
+    calls: list[dict] = []
+
+    def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        FakeGraph.calls.append({"pool": pool, "capture_error_mode": capture_error_mode})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_an_older_torchs_training_graph_records_in_thread_local_mode(monkeypatch, fails):
+    """torch 2.11's make_graphed_callables takes no capture mode and records through
+    ``torch.cuda.graph`` in the global one, which a pin-memory thread breaks: for the length of
+    the recording that call gets the thread-local mode, and is itself again afterwards."""
+    from showattendtell.graphed import CAPTURE_MODE, thread_local_capture
+
+    def old_make_graphed_callables(callables, sample_args, allow_unused_input=False):
+        for _ in ("forward", "backward"):
+            with torch.cuda.graph("a CUDAGraph", pool="shared"):
+                if fails:
+                    raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", FakeGraph)
+    FakeGraph.calls = []
+    raised = pytest.raises(RuntimeError) if fails else contextlib.nullcontext()
+    with raised, thread_local_capture(old_make_graphed_callables) as mode:
+        old_make_graphed_callables(None, (), **mode)
+    assert mode == {}
+    expected = {"pool": "shared", "capture_error_mode": CAPTURE_MODE}
+    assert FakeGraph.calls == ([expected] if fails else [expected, expected])
+    assert torch.cuda.graph is FakeGraph
+    torch.cuda.graph("a CUDAGraph")
+    assert FakeGraph.calls[-1]["capture_error_mode"] == "global"
+
+
+def test_a_newer_torchs_training_graph_is_given_the_mode_itself(monkeypatch):
+    from showattendtell.graphed import CAPTURE_MODE, thread_local_capture
+
+    def make_graphed_callables(callables, sample_args, capture_error_mode="global"):
+        pass
+
+    monkeypatch.setattr(torch.cuda, "graph", FakeGraph)
+    with thread_local_capture(make_graphed_callables) as mode:
+        assert torch.cuda.graph is FakeGraph
+    assert mode == {"capture_error_mode": CAPTURE_MODE} and CAPTURE_MODE == "thread_local"

@@ -22,10 +22,12 @@ advance the generator's offset each time.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -112,13 +114,11 @@ class GraphedLoss:
         # passes on the default one, as make_graphed_callables intends; autograd would warn
         # of that at every run (one line about streams that a user cannot act on).
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
-        with autocast_nocache(dtype):
-            return torch.cuda.make_graphed_callables(
-                call,
-                sample,
-                allow_unused_input=True,
-                **_capture_mode(torch.cuda.make_graphed_callables),
-            )
+        with (
+            autocast_nocache(dtype),
+            thread_local_capture(torch.cuda.make_graphed_callables) as mode,
+        ):
+            return torch.cuda.make_graphed_callables(call, sample, allow_unused_input=True, **mode)
 
 
 class GraphedObjective:
@@ -218,22 +218,32 @@ class GraphedFunction:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with (
-            torch.cuda.graph(graph, **_capture_mode(torch.cuda.graph)),
+            torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE),
             autocast_nocache(dtype),
         ):
             outputs = tuple(self.fn(*static))
         return graph, static, outputs
 
 
-def _capture_mode(record: Callable) -> dict:
-    """``capture_error_mode=CAPTURE_MODE`` where ``record`` takes it (newer torch's
-    make_graphed_callables does; without it a recording may fail and training runs without
-    graphs)."""
-    return (
-        {"capture_error_mode": CAPTURE_MODE}
-        if "capture_error_mode" in inspect.signature(record).parameters
-        else {}
-    )
+@contextlib.contextmanager
+def thread_local_capture(record: Callable) -> Iterator[dict]:
+    """Keyword arguments that make ``record`` capture in ``CAPTURE_MODE``.
+
+    ``make_graphed_callables`` takes ``capture_error_mode`` in newer torch only; before, it
+    records through ``torch.cuda.graph`` with CUDA's global mode always, and a training graph
+    fails to record whenever the DataLoader's pin-memory thread pins a batch meanwhile (torch
+    2.11 is one of them). There ``torch.cuda.graph`` is given the mode for the length of the
+    recording.
+    """
+    if "capture_error_mode" in inspect.signature(record).parameters:
+        yield {"capture_error_mode": CAPTURE_MODE}
+        return
+    original = torch.cuda.graph
+    torch.cuda.graph = functools.partial(original, capture_error_mode=CAPTURE_MODE)
+    try:
+        yield {}
+    finally:
+        torch.cuda.graph = original
 
 
 def _autocast_dtype() -> torch.dtype | None:
