@@ -255,3 +255,73 @@ def test_an_existing_output_is_refused_without_resume_or_overwrite(
     out.write_bytes(b"")
     assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "out.jsonl") == 0
     assert len(out.read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("spelling", ["img1.png", "sub/../img1.png", "link.png"])
+def test_an_output_that_is_one_of_the_photos_is_refused_even_with_overwrite(
+    spelling, images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
+    """`-o photo.jpg --overwrite` would empty the photo before reading it."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.png").symlink_to(tmp_path / "img1.png")
+    photo = (tmp_path / "img1.png").read_bytes()
+    for inputs in (images, ["."]):  # the photo given, or found in a folder
+        code = caption(
+            tmp_path, monkeypatch, tiny_model_file, *inputs, "-o", spelling, "--overwrite"
+        )
+        assert code == 2
+        err = capsys.readouterr().err.strip()
+        assert (
+            err.startswith(f"error: --output {spelling} is one of the photos") and "\n" not in err
+        )
+        assert (tmp_path / "img1.png").read_bytes() == photo
+
+
+def test_overlay_sheets_replace_no_photo_and_no_file_without_overwrite(
+    images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
+    """A sheet is named after its photo (img0.png -> img0.png.png): in the photos' own folder it
+    could be another photo, and elsewhere a file of the user's."""
+    (tmp_path / "img0.png.png").write_bytes((tmp_path / "img1.png").read_bytes())
+    photos = {p.name: p.read_bytes() for p in tmp_path.glob("*.png")}
+    for extra in ([], ["--overwrite"]):
+        assert caption(tmp_path, monkeypatch, tiny_model_file, ".", "--overlays", ".", *extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert "a sheet would replace the photo" in err and "\n" not in err
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.png")} == photos
+
+    (tmp_path / "sheets").mkdir()
+    mine = tmp_path / "sheets" / "img2.png.png"
+    mine.write_bytes(b"my own file")
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "--overlays", "sheets") == 2
+    err = capsys.readouterr().err.strip()
+    assert "1 of the sheets to write already exist (e.g. img2.png.png)" in err
+    assert "--overwrite" in err and "\n" not in err
+    assert mine.read_bytes() == b"my own file" and len(list(mine.parent.iterdir())) == 1
+    args = (*images, "--overlays", "sheets", "--overwrite")
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *args) == 0
+    assert mine.read_bytes().startswith(b"\x89PNG") and len(list(mine.parent.iterdir())) == 3
+
+
+@pytest.mark.parametrize("device", ["gpu", "CPU", "", "mps", "cuda:x"])
+def test_an_unknown_device_is_one_usage_line(device, images, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["caption", *images, "--device", device])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"'{device}' is not a device: give auto, cpu, cuda or cuda:N")
+
+
+def test_too_long_a_file_name_is_one_line(images, tiny_model_file, tmp_path, monkeypatch, capsys):
+    long = "x" * 300
+    for args in (["-o", f"{long}.jsonl"], ["--overlays", long]):
+        assert caption(tmp_path, monkeypatch, tiny_model_file, *images, *args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and "too long" in err.lower() and "\n" not in err
+
+
+def test_output_dash_is_standard_output(images, tiny_model_file, tmp_path, monkeypatch, capsys):
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "-") == 0
+    assert [json.loads(x)["path"] for x in capsys.readouterr().out.splitlines()] == images
+    assert not (tmp_path / "-").exists()

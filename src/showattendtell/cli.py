@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 
@@ -88,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        # a path argument longer than the file system takes, wherever it is first opened
+        if e.errno != errno.ENAMETOOLONG:
+            raise
+        print(f"error: a file name is too long for the file system: {e.filename}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as e:
         print("interrupted", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 
 from showattendtell.settings import DECODING_OPTIONS, DecodingConfig
 
@@ -53,10 +54,19 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
         )
 
 
+def device_name(value: str) -> str:
+    """``--device``'s value, checked here: torch's own message for "gpu" or "mps" is a
+    traceback from deep inside model loading."""
+    if re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not a device: give auto, cpu, cuda or cuda:N")
+
+
 def add_device_args(p: argparse.ArgumentParser) -> None:
     """Where and how the network runs: --device and --precision."""
     p.add_argument(
         "--device",
+        type=device_name,
         default="auto",
         help="auto (a GPU when present; `sat caption` of up to 32 photos: the CPU, which is done "
         "sooner), cpu, cuda or cuda:N",

@@ -11,6 +11,7 @@ The top of this module stays import-light (no torch): the CLI imports it to buil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -83,7 +84,9 @@ def add_parser(sub) -> None:
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
     """Where the records go and what they hold."""
-    p.add_argument("-o", "--output", default=None, help="file to write (default: standard output)")
+    p.add_argument(
+        "-o", "--output", default=None, help="file to write (default or -: standard output)"
+    )
     p.add_argument(
         "--format", default=None, help="jsonl (default) or csv; default from the --output suffix"
     )
@@ -105,8 +108,8 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an existing --output file (without it, or --resume, a file "
-        "that is not empty is refused and left as it was)",
+        help="replace an existing --output file and existing --overlays sheets (without it, "
+        "or --resume, they are refused and left as they were)",
     )
 
 
@@ -318,6 +321,8 @@ def _inputs(args: argparse.Namespace) -> list[str]:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.output == "-":
+        args.output = None
     if args.resume and not args.output:
         raise UsageError("--resume needs --output FILE (the file to continue)")
     if args.resume and args.overwrite:
@@ -357,6 +362,10 @@ def _plan(
     resume: ResumePoint | None = None
     existed = out_path is not None and out_path.exists()
     if out_path is not None:
+        if _inputs_among([out_path], paths):  # even with --overwrite: it would be emptied first
+            raise UsageError(
+                f"--output {out_path} is one of the photos to caption; give a new name"
+            )
         if not existed or out_path.is_file():
             prepare_folder("--output", out_path.parent)
         # locked first: a second run on a busy output is told so, whatever else it asked
@@ -372,7 +381,44 @@ def _plan(
         prepare_folder("--overlays", Path(args.overlays))
         names = overlay_names(paths)  # of every input: a resumed run names sheets the same
         sheets = {p: names[p] for p in todo}
+        _check_sheets(Path(args.overlays), sheets, paths, args.overwrite or args.resume)
     return Plan(todo, len(paths) - len(todo), resume.fields if resume else None, sheets), resume
+
+
+def _inputs_among(targets: list[Path], paths: list[str]) -> dict[Path, str]:
+    """The targets that are one of the input files (by any spelling, or a link), with that
+    input. Compared by the files' identity (device and inode): one ``stat`` per input, and
+    none when no target exists yet."""
+    ids = {}
+    for target in targets:
+        with contextlib.suppress(OSError):  # not there (yet): not an input
+            st = target.stat()
+            ids[(st.st_dev, st.st_ino)] = target
+    found: dict[Path, str] = {}
+    for p in paths if ids else ():
+        with contextlib.suppress(OSError):  # gone since it was listed: its record says so
+            st = os.stat(p)
+            target = ids.get((st.st_dev, st.st_ino))
+            if target is not None:
+                found.setdefault(target, p)
+    return found
+
+
+def _check_sheets(folder: Path, sheets: dict[str, str], paths: list[str], replace: bool) -> None:
+    """Before any work: no sheet is written over an input photo, and existing files in the
+    overlays folder are replaced only with --overwrite (or --resume, whose interrupted run
+    wrote them)."""
+    existing = [folder / name for name in sheets.values() if (folder / name).exists()]
+    photo = next(iter(_inputs_among(existing, paths).values()), None)
+    if photo is not None:
+        raise UsageError(
+            f"--overlays {folder}: a sheet would replace the photo {photo}; give another folder"
+        )
+    if existing and not replace:
+        raise UsageError(
+            f"--overlays {folder}: {len(existing)} of the sheets to write already exist "
+            f"(e.g. {existing[0].name}); add --overwrite to replace them, or give another folder"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
