@@ -335,3 +335,27 @@ def test_a_decoding_process_is_quiet_once_the_main_process_has_gone(monkeypatch,
     except ValueError as e:
         queue._on_queue_feeder_error(e, None)
     assert "ValueError: cannot pickle" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recursive", [False, True])
+def test_a_scan_keeps_broken_links_named_like_photos_and_says_what_they_are(tmp_path, recursive):
+    """A broken link or a loop of links in a folder gets a record saying so, instead of
+    vanishing from the run; a link to a folder is not a photo."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.jpg")
+    (tmp_path / "dangling.jpg").symlink_to("nowhere.jpg")
+    (tmp_path / "l1.jpg").symlink_to("l2.jpg")
+    (tmp_path / "l2.jpg").symlink_to("l1.jpg")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "folder.jpg").symlink_to("sub")
+    found = list_images([tmp_path], recursive=recursive)
+    assert [p.name for p in found] == ["dangling.jpg", "l1.jpg", "l2.jpg", "ok.jpg"]
+    with pytest.raises(
+        ImageError, match="a broken symbolic link \\(to nowhere.jpg, which does not"
+    ):
+        open_image(tmp_path / "dangling.jpg")
+    with pytest.raises(ImageError, match="l1.jpg: a loop of symbolic links"):
+        open_image(tmp_path / "l1.jpg")
+    with pytest.raises(ImageError, match="sub: a folder, not a file"):
+        open_image(tmp_path / "sub")
+    with pytest.raises(ImageError, match="none.jpg: no such file"):
+        open_image(tmp_path / "none.jpg")

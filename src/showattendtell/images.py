@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import itertools
 import os
@@ -83,7 +84,7 @@ def open_image(
         else:
             p = Path(source)
             if not p.is_file():
-                raise ImageError(f"{name}: no such file")
+                raise ImageError(f"{name}: {_missing(p)}")
             if p.stat().st_size == 0:
                 raise ImageError(f"{name}: the file is empty (0 bytes)")
             fp = str(p)
@@ -124,6 +125,21 @@ def open_image(
     with contextlib.suppress(Exception):  # a broken EXIF block: keep the pixels as stored
         img = ImageOps.exif_transpose(img)
     return _to_rgb(img)
+
+
+def _missing(p: Path) -> str:
+    """Why ``p``, not a file, cannot be read."""
+    if not p.is_symlink():
+        return "a folder, not a file" if p.is_dir() else "no such file"
+    try:
+        p.resolve(strict=True)
+    except RuntimeError:  # Python < 3.13 raises this for a loop
+        return "a loop of symbolic links"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a loop of symbolic links"
+        return f"a broken symbolic link (to {os.readlink(p)}, which does not exist)"
+    return "a symbolic link to something that is not a file"
 
 
 def full_size(img: Image.Image) -> tuple[int, int]:
@@ -226,7 +242,7 @@ def list_images(
             found.append(p)
             continue
         if not recursive:
-            files = [f for f in p.iterdir() if f.is_file()]
+            files = [f for f in p.iterdir() if _is_file_entry(f)]
         else:
             files, seen = [], set()
             for top, dirs, names in os.walk(p, followlinks=True):
@@ -236,7 +252,7 @@ def list_images(
                     continue
                 seen.add((st.st_dev, st.st_ino))
                 dirs.sort()  # the first path to a folder reached twice names it, always the same
-                files += [Path(top, n) for n in names if Path(top, n).is_file()]
+                files += [Path(top, n) for n in names if _is_file_entry(Path(top, n))]
         found += sorted(f for f in files if f.suffix.lower() in IMAGE_SUFFIXES)
         if skipped is not None:
             skipped.update(
@@ -245,6 +261,13 @@ def list_images(
                 if f.suffix.lower() not in IMAGE_SUFFIXES and not f.name.startswith(".")
             )
     return found
+
+
+def _is_file_entry(f: Path) -> bool:
+    """A file of a folder scan: a file, or a link that leads to no folder. A broken link or a
+    loop of links named like a photo is kept, so that its record says what is wrong with it
+    instead of the photo vanishing from the run without a word."""
+    return f.is_file() or (f.is_symlink() and not f.is_dir())
 
 
 # -- decoding many files in DataLoader workers (batch captioning, evaluation, feature cache) ----
