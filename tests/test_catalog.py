@@ -88,3 +88,15 @@ def test_a_missing_sat_model_file_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("SAT_MODEL", str(tmp_path / "gone.safetensors"))
     with pytest.raises(ModelNotFound, match=r"\$SAT_MODEL is .*gone.safetensors"):
         load_model(None)
+
+
+def test_sat_model_may_name_a_bundled_model(monkeypatch):
+    """As --model does: SAT_MODEL=flickr8k_lite2_hard makes the hard model the default."""
+    from showattendtell.catalog import BUNDLED_DIR, default_model_path, named_models
+
+    monkeypatch.setenv("SAT_MODEL", "flickr8k_lite2_hard")
+    assert default_model_path() == BUNDLED_DIR / "flickr8k_lite2_hard.safetensors"
+    assert list(named_models())[0] == "flickr8k_lite2_hard"
+    monkeypatch.setenv("SAT_MODEL", "flickr8k_lite2_none")
+    with pytest.raises(ModelNotFound, match="give a bundled model's name, or unset it"):
+        default_model_path()

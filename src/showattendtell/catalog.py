@@ -33,8 +33,15 @@ def bundled_models() -> list[Path]:
 
 
 def env_model() -> Path | None:
+    """$SAT_MODEL's file: a path, or a bundled model's name (as --model takes)."""
     value = os.environ.get(DEFAULT_MODEL_ENV)
-    return Path(value) if value else None
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_file():
+        bundled = {p.stem: p for p in bundled_models()}
+        path = bundled.get(value.removesuffix(MODEL_SUFFIX), path)
+    return path
 
 
 def default_model_path() -> Path:
@@ -44,7 +51,7 @@ def default_model_path() -> Path:
         if not env.is_file():
             raise ModelNotFound(
                 f"${DEFAULT_MODEL_ENV} is {env}, which is not a file: point it "
-                "at a model file or unset it"
+                "at a model file, give a bundled model's name, or unset it"
             )
         return env
     bundled = bundled_models()
