@@ -325,3 +325,23 @@ def test_output_dash_is_standard_output(images, tiny_model_file, tmp_path, monke
     assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "-") == 0
     assert [json.loads(x)["path"] for x in capsys.readouterr().out.splitlines()] == images
     assert not (tmp_path / "-").exists()
+
+
+def test_one_name_for_output_and_overlays_is_one_usage_line(
+    images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
+    args = (*images, "-o", "sheets", "--overlays", "./sheets")
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: -o is a file and --overlays a folder: give them different names"
+    assert not (tmp_path / "sheets").exists()
+
+
+def test_hard_mode_for_a_soft_model_is_a_warning(
+    images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "--hard-mode", "sample") == 0
+    err = capsys.readouterr().err
+    assert "warning: --hard-mode is for hard-attention models;" in err
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images) == 0
+    assert "--hard-mode" not in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import re
+import sys
 
 from showattendtell.settings import DECODING_OPTIONS, DecodingConfig
 
@@ -85,6 +86,18 @@ def decoding_overrides(args: argparse.Namespace) -> dict:
     given = {k: getattr(args, k) for k in DECODING_OPTIONS}
     DecodingConfig().with_overrides(**given)
     return given
+
+
+def warn_ignored_decoding(decoding: dict, attention: str, model: str) -> None:
+    """One warning line for a decoding option given for a model that ignores it (--hard-mode
+    for a soft-attention model), rather than silence."""
+    for opt in DECODING_OPTIONS.values():
+        if opt.needs == "hard" and attention != "hard" and decoding.get(opt.name) is not None:
+            print(
+                f"warning: {opt.flag} is for hard-attention models; {model} has soft attention "
+                "and ignores it",
+                file=sys.stderr,
+            )
 
 
 _gc_paused = False

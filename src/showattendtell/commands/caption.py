@@ -41,6 +41,7 @@ from showattendtell.cli_common import (
     add_model_arg,
     decoding_overrides,
     resume_gc,
+    warn_ignored_decoding,
 )
 from showattendtell.errors import Terminated, UsageError, UserError, raise_terminated
 from showattendtell.settings import DEFAULT_BATCH_SIZE
@@ -337,6 +338,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--workers must be 0 or more")
     if args.output and os.path.isdir(args.output):
         raise UsageError(f"--output {args.output} is a folder; give a file name")
+    same = args.output and args.overlays
+    if same and os.path.abspath(args.output) == os.path.abspath(args.overlays):
+        raise UsageError("-o is a file and --overlays a folder: give them different names")
     if args.overlays and os.path.exists(args.overlays) and not os.path.isdir(args.overlays):
         raise UsageError(f"--overlays {args.overlays} exists and is not a folder")
 
@@ -543,6 +547,8 @@ def _caption(
         raise UsageError(
             "--decode-on gpu needs a CUDA GPU (--device cuda); without one, leave it out"
         )
+    if procs.rank == 0:
+        warn_ignored_decoding(decoding, captioner.attention_type, captioner.name)
 
     captioner.prepare(**decoding)  # with all the threads, before the lanes share them
     resume_gc()  # paused by `sat caption` while torch and the model loaded (cli.main)

@@ -29,6 +29,7 @@ from showattendtell.cli_common import (
     add_device_args,
     add_model_arg,
     decoding_overrides,
+    warn_ignored_decoding,
 )
 from showattendtell.data.datasets import DATASETS
 from showattendtell.errors import UsageError
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from showattendtell.inference import finite_or_none, load_model
 
     captioner = load_model(args.model, args.device, args.precision)
+    warn_ignored_decoding(decoding, captioner.attention_type, captioner.name)
     if output is None:  # the default name, from the model's: checked before captioning too
         from showattendtell.caption_output import check_new_output
 
