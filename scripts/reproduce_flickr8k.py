@@ -6,7 +6,7 @@
     python scripts/reproduce_flickr8k.py --dry-run             # print the training commands
 
 Each step is a plain `sat` command (printed before it runs), so any of them can be re-run by
-hand. Training resumes from `last.ckpt` when a run folder already has one; the feature cache is
+hand. Training resumes from a run folder's newest checkpoint when it has one; the feature cache is
 reused when it exists. Scores are the official COCO caption toolkit's (`sat evaluate`, needs
 Java); the table goes to stdout and to runs/flickr8k_table.md, the raw scores to
 runs/flickr8k_table.json.
@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+from showattendtell.commands.train import resumable_checkpoint
 
 # The bundled models' recipe, one stage per training config: (config, the model file its run is
 # exported to, which checkpoint, export options). Each stage's config starts from the model file
@@ -107,8 +109,9 @@ def train_and_export(
     run_dir = Path(yaml.safe_load(Path(config).read_text())["run"]["dir"])
     extra = ["--data.root", root, *extra]
     sat("features", "--config", config, *extra)
+    resume = resumable_checkpoint(run_dir)  # an interrupted run's newest checkpoint
+    sat("train", "--config", config, *extra, *(["--ckpt_path", str(resume)] if resume else []))
     last = run_dir / "checkpoints" / "last.ckpt"
-    sat("train", "--config", config, *extra, *(["--ckpt_path", str(last)] if last.exists() else []))
     ckpts = sorted((run_dir / "checkpoints").glob("best-*.ckpt")) if which == "best" else [last]
     if not DRY_RUN and not (ckpts and ckpts[-1].exists()):
         sys.exit(f"no {which} checkpoint in {run_dir / 'checkpoints'}: did training run?")

@@ -177,7 +177,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "no.safetensors" in err and len(err.splitlines()) == 1
-    assert main(["export", str(tmp_path / "none.ckpt"), str(tmp_path / "m.safetensors")]) == 1
+    assert main(["export", str(tmp_path / "none.ckpt"), str(tmp_path / "m.safetensors")]) == 2
     assert "none.ckpt not found" in capsys.readouterr().err
 
 

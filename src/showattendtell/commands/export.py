@@ -5,11 +5,13 @@ file -> the same weights with other stored decoding defaults (e.g. the bundled m
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 
 from showattendtell.caption_output import OutputError, check_new_output
 from showattendtell.cli_common import add_decoding_args, decoding_overrides
 from showattendtell.data.datasets import DATASETS
+from showattendtell.errors import UsageError
 
 
 def add_parser(sub) -> None:
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = decoding_overrides(args)
     output = _check_output(args)
+    _check_source(args.checkpoint)
     if _is_model_file(args.checkpoint):  # its weights, its stored decoding with the overrides
         from showattendtell.catalog import resolve_model
         from showattendtell.model_file import read_model
@@ -95,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
         from showattendtell.lit_module import load_checkpoint
 
         decoding = DecodingConfig().with_overrides(**overrides)
-        module = load_checkpoint(args.checkpoint)
+        with warnings.catch_warnings():  # torch's advice about a plain pickle's protocol
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            module = load_checkpoint(args.checkpoint)
         model = module.model
         info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
     if args.interpolate:
@@ -141,6 +146,19 @@ def _check_output(args: argparse.Namespace) -> Path:
     output = Path(args.output)
     check_new_output("output", output, args.overwrite)
     return output
+
+
+def _check_source(source: str) -> None:
+    """A checkpoint or model file that is not there (a typo) is a usage error, said for this
+    command's argument rather than for `sat caption`'s --model."""
+    from showattendtell.catalog import named_models
+
+    if not Path(source).exists() and source not in named_models():
+        raise UsageError(
+            f"checkpoint: {source} not found: give a .ckpt file that sat train wrote (e.g. "
+            "runs/NAME/checkpoints/last.ckpt) or a model file (.safetensors, or a name "
+            "`sat models` lists)"
+        )
 
 
 def _is_model_file(source: str) -> bool:

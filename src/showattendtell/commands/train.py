@@ -4,6 +4,7 @@ YAML configs."""
 from __future__ import annotations
 
 import csv
+import re
 import shlex
 import sys
 import warnings
@@ -22,8 +23,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from showattendtell.config_files import BASE_KEY, expand_bases
 from showattendtell.data.datamodule import CaptionDataModule
 from showattendtell.distributed import Processes, share_batches
-from showattendtell.errors import UsageError
-from showattendtell.lit_module import CaptionModule
+from showattendtell.errors import UsageError, UserError
+from showattendtell.lit_module import CaptionModule, read_checkpoint
+from showattendtell.model_file import ModelFileError
 
 INTERRUPTED_CHECKPOINT = "interrupted.ckpt"
 
@@ -174,6 +176,11 @@ def run_callbacks(run: RunConfig) -> list[L.Callback]:
 class SatCLI(LightningCLI):
     check_run_dir = False  # `sat train`: the run folder must be writable before any work
 
+    def __init__(self, *args, command_line: list[str] | None = None, **kwargs) -> None:
+        # the arguments as the user typed them, for the commands an error line suggests
+        self.command_line = command_line
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_class_arguments(RunConfig, "run")
         parser.link_arguments("run.dir", "trainer.default_root_dir")
@@ -195,6 +202,18 @@ class SatCLI(LightningCLI):
             help="resume training from this checkpoint (e.g. .../last.ckpt)",
         )
 
+    def parse_arguments(self, parser, args) -> None:
+        """Parse, then check what torch or Lightning would refuse only after the model and data
+        are built (seconds) or training started (hours): one line now, before anything else
+        is printed (the seed)."""
+        super().parse_arguments(parser, args)
+        _check_data_settings(self.config.data)
+        if self.check_run_dir:
+            _check_run_settings(self.config.run)
+            _check_resume_checkpoint(self.config.ckpt_path)
+            if self.config.ckpt_path is None:
+                _check_new_run(Path(self.config.run.dir), self.command_line)
+
     def before_instantiate_classes(self) -> None:
         # the run's saved config.yaml is the whole resolved config: it builds on no other file
         self.config[BASE_KEY] = None
@@ -204,6 +223,24 @@ class SatCLI(LightningCLI):
             from showattendtell.caption_output import prepare_folder
 
             prepare_folder("--run.dir", Path(self.config.run.dir))
+
+    def instantiate_classes(self) -> None:
+        """A setting that its class refuses (``--model.decoder.attention fuzzy``) is one line.
+        jsonargparse wraps the class's ValueError for an ``X | None`` setting in a dump of the
+        union's subtypes, chained to the class's own message, which is the one that helps."""
+        try:
+            super().instantiate_classes()
+        except ValueError as e:
+            cause = e.__cause__
+            if (
+                isinstance(e, UserError)
+                or not isinstance(cause, ValueError)
+                or not str(e).startswith("Does not validate against any of the Union subtypes")
+            ):
+                raise
+            while isinstance(cause.__cause__, ValueError):
+                cause = cause.__cause__
+            raise UsageError(f"{cause} (`sat train --help` lists the options)") from None
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         """The Trainer with the run's loggers and checkpoints (and any the config adds)."""
@@ -280,11 +317,98 @@ def _check_config_files(args: list[str]) -> None:
             value = args[i + 1]
         elif arg.startswith("--config="):
             value = arg.split("=", 1)[1]
-        if value is not None and not Path(value).is_file():
-            raise UsageError(
-                f"--config {value}: no such file (the configs are in "
-                "configs/, e.g. configs/flickr8k_lite2_soft.yaml)"
-            )
+        if value is None or Path(value).is_file():
+            continue
+        what = "is a folder, not a config file" if Path(value).is_dir() else "no such file"
+        raise UsageError(
+            f"--config {value}: {what} (the configs are in "
+            "configs/, e.g. configs/flickr8k_lite2_soft.yaml)"
+        )
+
+
+# Data settings that torch would refuse only once training starts (DataLoader's batch size),
+# or that would fail there with a misleading message, checked before anything is built.
+_POSITIVE_DATA_SETTINGS = ("batch_size", "val_batch_size", "extract_batch_size")
+_NON_NEGATIVE_DATA_SETTINGS = ("num_workers", "extract_workers")
+
+
+def _check_data_settings(data) -> None:
+    """The data settings checked before the model and the data are built (``data``: the parsed
+    ``data`` section)."""
+    for name in _POSITIVE_DATA_SETTINGS:
+        value = data.get(name)
+        if value is not None and value < 1:
+            raise UsageError(f"--data.{name} {value}: must be 1 or more")
+    for name in _NON_NEGATIVE_DATA_SETTINGS:
+        value = data.get(name)
+        if value is not None and value < 0:
+            raise UsageError(f"--data.{name} {value}: must be 0 (no extra processes) or more")
+    root = data.get("root")
+    if root and Path(root).is_file():
+        raise UsageError(
+            f"--data.root {root}: is a file, not a folder: give the dataset's folder "
+            "(see data/README.md)"
+        )
+
+
+# the validation scores CaptionModule logs (higher is better: the callbacks' mode is max)
+MONITORS = ("val/bleu1", "val/bleu4", "val/rouge_l", "val/cider")
+
+
+def _check_run_settings(run) -> None:
+    """``run`` settings that Lightning's callbacks would refuse only at the first validation
+    (a score not logged) or in a traceback (a negative count)."""
+    if run.monitor not in MONITORS:
+        raise UsageError(f"--run.monitor {run.monitor}: choose one of {', '.join(MONITORS)}")
+    for name in ("patience", "save_every_n_steps"):
+        value = run.get(name)
+        if value is not None and value < 0:
+            raise UsageError(f"--run.{name} {value}: must be 0 or more (or null)")
+
+
+def _check_resume_checkpoint(ckpt_path: str | None) -> None:
+    """``--ckpt_path`` names a checkpoint of sat train, said in one line before any work.
+    Read as `sat export` reads one: never unpickling arbitrary objects (read_checkpoint).
+    ``last`` and ``hpc`` (no such files) are Lightning's names for the run's newest last*.ckpt
+    and SLURM requeue checkpoint."""
+    if ckpt_path is None or (ckpt_path in ("last", "hpc") and not Path(ckpt_path).exists()):
+        return
+    try:
+        with warnings.catch_warnings():  # torch's advice about a plain pickle's protocol
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            read_checkpoint(ckpt_path, "--ckpt_path")
+    except ModelFileError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_new_run(run_dir: Path, command_line: list[str] | None) -> None:
+    """A new run (no ``--ckpt_path``) in a folder that holds another run's checkpoints is
+    refused. Lightning would write its checkpoints beside them as last-v1.ckpt and
+    best-...-v1.ckpt, so that last.ckpt, the one a resume names, stays the old run's; and the
+    new run's Ctrl-C would replace the old run's interrupted.ckpt, and its end remove it."""
+    newest = resumable_checkpoint(run_dir)
+    if newest is None or any(run_dir.glob("hpc_ckpt_*.ckpt")):  # SLURM requeue: Lightning resumes
+        return
+    resume = (
+        resume_command(command_line, newest)
+        if command_line is not None
+        else f"sat train ... --ckpt_path {shlex.quote(str(newest))}"
+    )
+    raise UsageError(
+        f"--run.dir {run_dir} already holds the checkpoints of a run: continue it with "
+        f"`{resume}` (past its end: raise --trainer.max_epochs), or give another --run.dir "
+        "for a new run"
+    )
+
+
+def resumable_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint that continues the run in ``run_dir`` (last, steps or interrupted): the
+    newest that is not a best-*, which is kept for its score, not its recency; None when the
+    run has none."""
+    found = list((run_dir / "checkpoints").glob("*.ckpt"))
+    if not found:
+        return None
+    return max(found, key=lambda p: (not p.name.startswith("best-"), p.stat().st_mtime))
 
 
 def _run_dir_alias(args: list[str]) -> list[str]:
@@ -313,6 +437,7 @@ def _run_dir_alias(args: list[str]) -> list[str]:
 
 
 def build_cli(args: list[str], cli_class: type[SatCLI] | None = None) -> SatCLI:
+    typed = list(args)
     # --config OVERLAY -> --config BASE --config OVERLAY; Lightning's name for the run folder
     args = _run_dir_alias(expand_bases(args))
     _check_config_files(args)
@@ -330,9 +455,28 @@ def build_cli(args: list[str], cli_class: type[SatCLI] | None = None) -> SatCLI:
             seed_everything_default=SEED_DEFAULT,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": "sat train", "default_env": False, "exit_on_error": False},
+            command_line=typed,
         )
     except ArgumentError as e:
-        raise UsageError(f"{e} (`sat train --help` lists the options)") from None
+        message = _short_type_error(str(e)) or str(e)
+        raise UsageError(f"{message} (`sat train --help` lists the options)") from None
+
+
+# how a wrong value's expected type is said; a type not here keeps jsonargparse's message
+_TYPE_WORDS = {"int": "a whole number", "float": "a number", "bool": "true or false"}
+
+
+def _short_type_error(message: str) -> str | None:
+    """jsonargparse's 8-line account of a value of the wrong type (``--trainer.max_epochs
+    two``: the union's subtypes, each one's complaint, the value's Python type) as
+    '--trainer.max_epochs two: expected a whole number'; None for any other message."""
+    keys = re.findall(r'Parser key "([^"]+)":', message)
+    kinds = [k for k in re.findall(r"Expected a <class '(\w+)'>", message) if k != "NoneType"]
+    got = re.search(r"Got value: (.*)", message) or re.search(r"Given value: (.*)", message)
+    if not keys or not kinds or got is None or any(k not in _TYPE_WORDS for k in kinds):
+        return None
+    expected = " or ".join(dict.fromkeys(_TYPE_WORDS[k] for k in kinds))
+    return f"--{'.'.join(keys)} {got.group(1).strip()}: expected {expected}"
 
 
 def resume_command(args: list[str], checkpoint: Path) -> str:
@@ -414,8 +558,11 @@ def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
             if score is not None
             else f"best: {where}"
         )
-    if last is not None and last.dirpath and (Path(last.dirpath) / "last.ckpt").is_file():
-        lines.append(f"last: {_shown(Path(last.dirpath) / 'last.ckpt')}")
+    # the file Lightning wrote (last-v1.ckpt when a last.ckpt was in the way), not the name
+    # asked for; a callback without a monitor keeps it as its best_model_path
+    written = (last.last_model_path or last.best_model_path) if last is not None else ""
+    if written and Path(written).is_file():
+        lines.append(f"last: {_shown(written)}")
     if best is not None and best.best_model_path:
         lines.append(
             f"make a model file of the best: sat export "

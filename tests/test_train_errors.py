@@ -1,0 +1,204 @@
+"""`sat train` / `sat export` on bad input: one `error:` line and exit status 2, said before any
+training (no test here trains), never a traceback."""
+
+import os
+import pickle
+import shlex
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from showattendtell.cli import main
+
+# imported here, not in a test: Lightning's loggers write to the stderr of the moment they are
+# imported, which inside a test is that test's capture, closed after it
+from showattendtell.commands import train as train_command
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(data_root: Path, run_dir: Path, *extra: str) -> list[str]:
+    """`sat train` of configs/tiny.yaml (no feature cache) on ``data_root`` into ``run_dir``."""
+    config = str(ROOT / "configs" / "tiny.yaml")
+    return ["train", "--config", config, "--data.root", str(data_root), "--run.dir", str(run_dir)]
+
+
+def one_error_line(capsys) -> str:
+    """What the command wrote to stderr, checked to be one `error:` line."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "setting, value, said",
+    [
+        ("data.batch_size", "0", "--data.batch_size 0: must be 1 or more"),
+        ("data.val_batch_size", "-3", "--data.val_batch_size -3: must be 1 or more"),
+        ("data.num_workers", "-1", "--data.num_workers -1: must be 0"),
+        ("run.monitor", "val/bleu", "--run.monitor val/bleu: choose one of val/bleu1"),
+        ("run.save_every_n_steps", "-2", "--run.save_every_n_steps -2: must be 0 or more"),
+    ],
+)
+def test_a_setting_out_of_range_is_refused_before_any_work(
+    setting, value, said, synthetic_flickr, tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    assert main([*tiny(synthetic_flickr, run_dir), f"--{setting}", value]) == 2
+    assert one_error_line(capsys).startswith(f"error: {said}")
+    assert not (run_dir / "logs").exists() and not (run_dir / "checkpoints").exists()
+
+
+def test_a_value_the_settings_class_refuses_is_one_line(synthetic_flickr, tmp_path, capsys):
+    args = [*tiny(synthetic_flickr, tmp_path / "run"), "--model.decoder.attention", "fuzzy"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith("error: attention must be 'soft' or")
+    assert "Union subtypes" not in err and "'fuzzy'" in err
+
+
+@pytest.mark.parametrize(
+    "value, said",
+    [
+        ("two", "--trainer.max_epochs two: expected a whole number"),
+        ("1.5x", "--trainer.max_epochs 1.5x: expected a whole number"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_one_line(value, said, capsys):
+    config = str(ROOT / "configs" / "tiny.yaml")
+    assert main(["train", "--config", config, "--trainer.max_epochs", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith(f"error: {said} (")
+    assert main(["train", "--config", config, "--model.decoder.hidden_dim", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --model.decoder.hidden_dim x: expected a whole number (")
+
+
+def test_other_argument_errors_keep_jsonargparse_s_words():
+    assert train_command._short_type_error("unrecognized arguments: --trainer.nonsense 1") is None
+    literal = "Parser key \"x\":\n  Expected a <class 'Path'>. Got value: y"
+    assert train_command._short_type_error(literal) is None  # a type it has no words for
+
+
+def _touch(path: str) -> None:
+    Path(path).touch()
+
+
+class _Tripwire:
+    """Unpickling it (what weights_only=True refuses) would create a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (_touch, (self.marker,))
+
+
+def _not_a_checkpoint(kind: str, tmp_path: Path) -> Path:
+    if kind == "missing":
+        return tmp_path / "nope.ckpt"
+    path = tmp_path / f"{kind}.ckpt"
+    if kind == "pickle":
+        path.write_bytes(pickle.dumps({"weights": [1, 2]}, protocol=4))
+    else:  # a torch.save zip with a global that weights_only loading does not allow
+        torch.save({"x": _Tripwire(tmp_path / "unpickled")}, path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["missing", "pickle", "forbidden global"])
+def test_a_ckpt_path_that_is_not_a_checkpoint_is_one_line(kind, synthetic_flickr, tmp_path, capsys):
+    ckpt = _not_a_checkpoint(kind, tmp_path)
+    run_dir = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([*tiny(synthetic_flickr, run_dir), "--ckpt_path", str(ckpt)]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: --ckpt_path: {ckpt}") and "sat train wrote" in line
+    assert "weights_only" not in line and not (tmp_path / "unpickled").exists()
+    assert not [w for w in caught if "pickle protocol" in str(w.message)]
+    assert not (run_dir / "logs").exists()
+
+
+def test_a_new_run_in_a_run_folder_with_checkpoints_is_refused(synthetic_flickr, tmp_path, capsys):
+    """Lightning would write last-v1.ckpt beside the old run's last.ckpt, and the new run's
+    Ctrl-C would replace the old run's interrupted.ckpt: refused, naming the resume command of
+    the old run's newest checkpoint (not its best: that is kept for its score)."""
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    for age, name in enumerate(["interrupted.ckpt", "last.ckpt", "best-epoch=03.ckpt"]):
+        (folder / name).write_bytes(name.encode())
+        os.utime(folder / name, (1e9 - age, 1e9 - age))
+    args = tiny(synthetic_flickr, tmp_path / "run")
+    assert main(args) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: --run.dir {tmp_path / 'run'} already holds the checkpoints")
+    assert "another --run.dir" in line
+    argv = shlex.split(line.split("`")[1])
+    assert argv == ["sat", *args, "--ckpt_path", str(folder / "interrupted.ckpt")]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "best-epoch=03.ckpt",
+        "interrupted.ckpt",
+        "last.ckpt",
+    ]
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_the_end_of_a_run_names_the_files_lightning_wrote(tmp_path, capsys, monkeypatch):
+    """A run that found last.ckpt in its way wrote last-v1.ckpt: the summary and its export
+    command name that one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    best = ModelCheckpoint(dirpath=folder, filename="best-{epoch:02d}", monitor="val/bleu4")
+    last = ModelCheckpoint(dirpath=folder, filename="last")
+    for name in ("last.ckpt", "last-v1.ckpt", "best-epoch=00.ckpt", "best-epoch=00-v1.ckpt"):
+        (folder / name).write_bytes(b"x")
+    best.best_model_path = str(folder / "best-epoch=00-v1.ckpt")
+    best.best_model_score = torch.tensor(0.25)
+    last.best_model_path = str(folder / "last-v1.ckpt")  # a callback without a monitor
+    trainer = SimpleNamespace(
+        global_rank=0, checkpoint_callbacks=[best, last], current_epoch=1, global_step=2
+    )
+    train_command._finished(trainer, None)
+    err = capsys.readouterr().err.splitlines()
+    assert "best val/bleu4 0.2500: checkpoints/best-epoch=00-v1.ckpt" in err
+    assert "last: checkpoints/last-v1.ckpt" in err
+    assert err[-1] == (
+        "make a model file of the best: sat export checkpoints/best-epoch=00-v1.ckpt "
+        "MODEL.safetensors"
+    )
+
+
+def test_a_file_and_a_folder_given_for_each_other_are_named_so(synthetic_flickr, tmp_path, capsys):
+    photo = next((synthetic_flickr / "images").glob("*.jpg"))
+    assert main(tiny(photo, tmp_path / "run")) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: --data.root {photo}: is a file, not a folder")
+    assert main(["train", "--config", str(tmp_path)]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: --config {tmp_path}: is a folder, not a config file")
+
+
+@pytest.mark.parametrize("source", ["none.ckpt", "no_such_model"])
+def test_export_of_a_checkpoint_that_is_not_there_is_a_usage_error(source, tmp_path, capsys):
+    out = tmp_path / "out.safetensors"
+    assert main(["export", str(tmp_path / source), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err]
+    assert err.startswith(f"error: checkpoint: {tmp_path / source} not found: give a .ckpt")
+    assert not out.exists()
+
+
+def test_export_of_a_plain_pickle_prints_only_its_error_line(tmp_path, capsys):
+    src = _not_a_checkpoint("pickle", tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["export", str(src), str(tmp_path / "out.safetensors")]) == 1
+    assert not [w for w in caught if "pickle protocol" in str(w.message)]
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith(f"error: checkpoint: {src} is not a")
