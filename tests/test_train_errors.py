@@ -16,6 +16,7 @@ from showattendtell.cli import main
 # imported here, not in a test: Lightning's loggers write to the stderr of the moment they are
 # imported, which inside a test is that test's capture, closed after it
 from showattendtell.commands import train as train_command
+from showattendtell.commands.train_checks import short_type_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,9 +79,9 @@ def test_a_value_of_the_wrong_type_is_one_line(value, said, capsys):
 
 
 def test_other_argument_errors_keep_jsonargparse_s_words():
-    assert train_command._short_type_error("unrecognized arguments: --trainer.nonsense 1") is None
+    assert short_type_error("unrecognized arguments: --trainer.nonsense 1") is None
     literal = "Parser key \"x\":\n  Expected a <class 'Path'>. Got value: y"
-    assert train_command._short_type_error(literal) is None  # a type it has no words for
+    assert short_type_error(literal) is None  # a type it has no words for
 
 
 def _touch(path: str) -> None:

@@ -4,7 +4,6 @@ YAML configs."""
 from __future__ import annotations
 
 import csv
-import re
 import shlex
 import sys
 import warnings
@@ -20,12 +19,20 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from showattendtell.commands.train_checks import (
+    check_config_files,
+    check_data_settings,
+    check_new_run,
+    check_resume_checkpoint,
+    check_run_settings,
+    resume_command,
+    short_type_error,
+)
 from showattendtell.config_files import BASE_KEY, expand_bases
 from showattendtell.data.datamodule import CaptionDataModule
 from showattendtell.distributed import Processes, share_batches
 from showattendtell.errors import UsageError, UserError
-from showattendtell.lit_module import CaptionModule, read_checkpoint
-from showattendtell.model_file import ModelFileError
+from showattendtell.lit_module import CaptionModule
 
 INTERRUPTED_CHECKPOINT = "interrupted.ckpt"
 
@@ -207,12 +214,12 @@ class SatCLI(LightningCLI):
         are built (seconds) or training started (hours): one line now, before anything else
         is printed (the seed)."""
         super().parse_arguments(parser, args)
-        _check_data_settings(self.config.data)
+        check_data_settings(self.config.data)
         if self.check_run_dir:
-            _check_run_settings(self.config.run)
-            _check_resume_checkpoint(self.config.ckpt_path)
+            check_run_settings(self.config.run)
+            check_resume_checkpoint(self.config.ckpt_path)
             if self.config.ckpt_path is None:
-                _check_new_run(Path(self.config.run.dir), self.command_line)
+                check_new_run(Path(self.config.run.dir), self.command_line)
 
     def before_instantiate_classes(self) -> None:
         # the run's saved config.yaml is the whole resolved config: it builds on no other file
@@ -309,108 +316,6 @@ def _count_steps_for_the_logger(trainer: L.Trainer) -> None:
     loop._batches_that_stepped = trainer.global_step - (0 if completed else 1)
 
 
-def _check_config_files(args: list[str]) -> None:
-    """A missing --config is one line, not jsonargparse's 60 lines of usage before it."""
-    for i, arg in enumerate(args):
-        value = None
-        if arg == "--config" and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith("--config="):
-            value = arg.split("=", 1)[1]
-        if value is None or Path(value).is_file():
-            continue
-        what = "is a folder, not a config file" if Path(value).is_dir() else "no such file"
-        raise UsageError(
-            f"--config {value}: {what} (the configs are in "
-            "configs/, e.g. configs/flickr8k_lite2_soft.yaml)"
-        )
-
-
-# Data settings that torch would refuse only once training starts (DataLoader's batch size),
-# or that would fail there with a misleading message, checked before anything is built.
-_POSITIVE_DATA_SETTINGS = ("batch_size", "val_batch_size", "extract_batch_size")
-_NON_NEGATIVE_DATA_SETTINGS = ("num_workers", "extract_workers")
-
-
-def _check_data_settings(data) -> None:
-    """The data settings checked before the model and the data are built (``data``: the parsed
-    ``data`` section)."""
-    for name in _POSITIVE_DATA_SETTINGS:
-        value = data.get(name)
-        if value is not None and value < 1:
-            raise UsageError(f"--data.{name} {value}: must be 1 or more")
-    for name in _NON_NEGATIVE_DATA_SETTINGS:
-        value = data.get(name)
-        if value is not None and value < 0:
-            raise UsageError(f"--data.{name} {value}: must be 0 (no extra processes) or more")
-    root = data.get("root")
-    if root and Path(root).is_file():
-        raise UsageError(
-            f"--data.root {root}: is a file, not a folder: give the dataset's folder "
-            "(see data/README.md)"
-        )
-
-
-# the validation scores CaptionModule logs (higher is better: the callbacks' mode is max)
-MONITORS = ("val/bleu1", "val/bleu4", "val/rouge_l", "val/cider")
-
-
-def _check_run_settings(run) -> None:
-    """``run`` settings that Lightning's callbacks would refuse only at the first validation
-    (a score not logged) or in a traceback (a negative count)."""
-    if run.monitor not in MONITORS:
-        raise UsageError(f"--run.monitor {run.monitor}: choose one of {', '.join(MONITORS)}")
-    for name in ("patience", "save_every_n_steps"):
-        value = run.get(name)
-        if value is not None and value < 0:
-            raise UsageError(f"--run.{name} {value}: must be 0 or more (or null)")
-
-
-def _check_resume_checkpoint(ckpt_path: str | None) -> None:
-    """``--ckpt_path`` names a checkpoint of sat train, said in one line before any work.
-    Read as `sat export` reads one: never unpickling arbitrary objects (read_checkpoint).
-    ``last`` and ``hpc`` (no such files) are Lightning's names for the run's newest last*.ckpt
-    and SLURM requeue checkpoint."""
-    if ckpt_path is None or (ckpt_path in ("last", "hpc") and not Path(ckpt_path).exists()):
-        return
-    try:
-        with warnings.catch_warnings():  # torch's advice about a plain pickle's protocol
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            read_checkpoint(ckpt_path, "--ckpt_path")
-    except ModelFileError as e:
-        raise UsageError(str(e)) from None
-
-
-def _check_new_run(run_dir: Path, command_line: list[str] | None) -> None:
-    """A new run (no ``--ckpt_path``) in a folder that holds another run's checkpoints is
-    refused. Lightning would write its checkpoints beside them as last-v1.ckpt and
-    best-...-v1.ckpt, so that last.ckpt, the one a resume names, stays the old run's; and the
-    new run's Ctrl-C would replace the old run's interrupted.ckpt, and its end remove it."""
-    newest = resumable_checkpoint(run_dir)
-    if newest is None or any(run_dir.glob("hpc_ckpt_*.ckpt")):  # SLURM requeue: Lightning resumes
-        return
-    resume = (
-        resume_command(command_line, newest)
-        if command_line is not None
-        else f"sat train ... --ckpt_path {shlex.quote(str(newest))}"
-    )
-    raise UsageError(
-        f"--run.dir {run_dir} already holds the checkpoints of a run: continue it with "
-        f"`{resume}` (past its end: raise --trainer.max_epochs), or give another --run.dir "
-        "for a new run"
-    )
-
-
-def resumable_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint that continues the run in ``run_dir`` (last, steps or interrupted): the
-    newest that is not a best-*, which is kept for its score, not its recency; None when the
-    run has none."""
-    found = list((run_dir / "checkpoints").glob("*.ckpt"))
-    if not found:
-        return None
-    return max(found, key=lambda p: (not p.name.startswith("best-"), p.stat().st_mtime))
-
-
 def _run_dir_alias(args: list[str]) -> list[str]:
     """Lightning's usual ``--trainer.default_root_dir DIR`` means this project's ``--run.dir
     DIR`` (the run folder; the Trainer's is linked to it): rewritten, unless both are given."""
@@ -440,7 +345,7 @@ def build_cli(args: list[str], cli_class: type[SatCLI] | None = None) -> SatCLI:
     typed = list(args)
     # --config OVERLAY -> --config BASE --config OVERLAY; Lightning's name for the run folder
     args = _run_dir_alias(expand_bases(args))
-    _check_config_files(args)
+    check_config_files(args)
     # The frozen encoder stays in eval mode on purpose (BatchNorm statistics are not trained).
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     # `sat train ARGS` hands ARGS over explicitly, so sys.argv holding them too is intended
@@ -458,38 +363,8 @@ def build_cli(args: list[str], cli_class: type[SatCLI] | None = None) -> SatCLI:
             command_line=typed,
         )
     except ArgumentError as e:
-        message = _short_type_error(str(e)) or str(e)
+        message = short_type_error(str(e)) or str(e)
         raise UsageError(f"{message} (`sat train --help` lists the options)") from None
-
-
-# how a wrong value's expected type is said; a type not here keeps jsonargparse's message
-_TYPE_WORDS = {"int": "a whole number", "float": "a number", "bool": "true or false"}
-
-
-def _short_type_error(message: str) -> str | None:
-    """jsonargparse's 8-line account of a value of the wrong type (``--trainer.max_epochs
-    two``: the union's subtypes, each one's complaint, the value's Python type) as
-    '--trainer.max_epochs two: expected a whole number'; None for any other message."""
-    keys = re.findall(r'Parser key "([^"]+)":', message)
-    kinds = [k for k in re.findall(r"Expected a <class '(\w+)'>", message) if k != "NoneType"]
-    got = re.search(r"Got value: (.*)", message) or re.search(r"Given value: (.*)", message)
-    if not keys or not kinds or got is None or any(k not in _TYPE_WORDS for k in kinds):
-        return None
-    expected = " or ".join(dict.fromkeys(_TYPE_WORDS[k] for k in kinds))
-    return f"--{'.'.join(keys)} {got.group(1).strip()}: expected {expected}"
-
-
-def resume_command(args: list[str], checkpoint: Path) -> str:
-    """The `sat train` command line that continues from ``checkpoint``."""
-    kept, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg == "--ckpt_path":
-            skip = True
-        elif not arg.startswith("--ckpt_path="):
-            kept.append(arg)
-    return shlex.join(["sat", "train", *kept, "--ckpt_path", str(checkpoint)])
 
 
 def train(args: list[str]) -> int:
