@@ -4,6 +4,8 @@ only thing a resume may remove is one partial last record."""
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -118,7 +120,7 @@ def test_csv_records_with_newlines_in_file_names(tmp_path):
     )
     out.write_text(good + '"d\nx.jpg",a b')
     point = scan_output(out, "csv", with_attention=False)
-    assert point.done == {"a\nb.jpg", "c\n.jpg"} and point.keep_bytes == len(good.encode())
+    assert point.done == Counter(["a\nb.jpg", "c\n.jpg"]) and point.keep_bytes == len(good.encode())
     assert out.read_text() == good + '"d\nx.jpg",a b'  # scanning changes nothing
 
 
@@ -345,3 +347,28 @@ def test_hard_mode_for_a_soft_model_is_a_warning(
     assert "warning: --hard-mode is for hard-attention models;" in err
     assert caption(tmp_path, monkeypatch, tiny_model_file, *images) == 0
     assert "--hard-mode" not in capsys.readouterr().err
+
+
+def test_resume_tells_apart_two_names_that_print_alike(
+    images, tiny_model_file, tmp_path, monkeypatch
+):
+    """A byte that is not UTF-8 is recorded as its escape, \\xNN: beside a name that holds
+    those four characters, both print alike. Records are in input order, so the first of them
+    is done when the file holds one such record, and the other is captioned."""
+    odd = os.path.join(os.fsencode(tmp_path), b"bad\xfe.png")
+    with open(odd, "wb") as f:
+        f.write((tmp_path / "img1.png").read_bytes())
+    (tmp_path / "bad\\xfe.png").write_bytes((tmp_path / "img2.png").read_bytes())
+    alike = sorted(
+        os.fsdecode(n) for n in os.listdir(os.fsencode(tmp_path)) if n.startswith(b"bad")
+    )
+    assert caption(tmp_path, monkeypatch, tiny_model_file, alike[0], "-o", "out.jsonl") == 0
+    args = (*alike, "-o", "out.jsonl", "--resume")
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *args) == 0
+    records = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["path"] for r in records] == ["bad\\xfe.png"] * 2
+    assert (
+        records[0]["caption"] != records[1]["caption"] or records[0]["score"] != records[1]["score"]
+    )
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *args) == 0  # nothing left to do
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2

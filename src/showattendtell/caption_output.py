@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -139,7 +140,9 @@ def _csv_line(row: list) -> str:
 class ResumePoint:
     """What a previous run left in the output file."""
 
-    done: set[str] = field(default_factory=set)  # paths with a complete record
+    # paths with a complete record, each as often as it is there: an input given twice, or two
+    # names that print alike (a byte that is not UTF-8, \xNN, beside a name holding "\xNN")
+    done: Counter[str] = field(default_factory=Counter)
     keep_bytes: int = 0  # the file is cut to this length before appending (drops a partial tail)
     fields: tuple[str, ...] | None = None  # the CSV header's columns (None: no header yet)
 
@@ -181,7 +184,7 @@ def _scan_jsonl(path: Path, text: str, with_attention: bool) -> ResumePoint:
         _check_attention(
             path, "caption" in rec and ("attention" in rec) != with_attention, with_attention
         )
-        point.done.add(rec["path"])
+        point.done[rec["path"]] += 1
     ours = tail.startswith(JSONL_RECORD_START) or JSONL_RECORD_START.startswith(tail)
     if not ours:  # a last line without a newline that is not the start of one of our records
         raise _not_ours(path, "jsonl", f"its last line, {_preview(tail)}, is not a record")
@@ -257,7 +260,7 @@ def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
                 path, "csv", f"record {n} has {len(row)} columns, the header {len(point.fields)}"
             )
         else:
-            point.done.add(row[0])
+            point.done[row[0]] += 1
         point.keep_bytes = end
     return point
 

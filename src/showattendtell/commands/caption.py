@@ -377,9 +377,7 @@ def _plan(
         check_new_output("--output", out_path, args.overwrite or args.resume, resume=True)
     if args.resume and out_path is not None and existed:
         resume = scan_output(out_path, fmt, args.with_attention)  # refuses a foreign file
-    done = resume.done if resume else set()
-    # the file holds each path as written (printable_path); one written before that, raw
-    todo = [p for p in paths if printable_path(p) not in done and p not in done]
+    todo = _not_done(paths, resume.done if resume else Counter())
     sheets = None
     if todo and args.overlays:
         prepare_folder("--overlays", Path(args.overlays))
@@ -387,6 +385,21 @@ def _plan(
         sheets = {p: names[p] for p in todo}
         _check_sheets(Path(args.overlays), sheets, paths, args.overwrite or args.resume)
     return Plan(todo, len(paths) - len(todo), resume.fields if resume else None, sheets), resume
+
+
+def _not_done(paths: list[str], done: Counter[str]) -> list[str]:
+    """The inputs without a record in the file being resumed. Records are in input order, so
+    of inputs that share a record's path (one given twice, or two names that print alike) the
+    first ones are done, as many as the file holds records of that path."""
+    done, todo = Counter(done), []
+    for p in paths:
+        # the file holds each path as written (printable_path); one written before that, raw
+        key = printable_path(p) if done[printable_path(p)] > 0 else p
+        if done[key] > 0:
+            done[key] -= 1
+        else:
+            todo.append(p)
+    return todo
 
 
 def _inputs_among(targets: list[Path], paths: list[str]) -> dict[Path, str]:
