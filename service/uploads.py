@@ -23,6 +23,7 @@ MAX_EXAMPLES = 8
 EXAMPLES_DIR = Path(__file__).parent / "examples"  # shipped with the package (README.md there)
 
 NO_IMAGE = "no image: upload, paste or pick an example image first"
+NOT_AN_UPLOAD = "an image comes as an upload or inline (a data: URL); other URLs are not read"
 
 
 def upload_source(upload: Any, max_bytes: int | None = None) -> str | bytes:
@@ -33,6 +34,10 @@ def upload_source(upload: Any, max_bytes: int | None = None) -> str | bytes:
         if upload.get("path"):
             return str(upload["path"])
         upload = upload.get("url") or ""
+        if upload and not str(upload).startswith("data:"):
+            # Gradio checks that a "path" is an upload, but leaves "url" to us: read as a path,
+            # it would caption (and serve the overlays of) any image on the server
+            raise ServiceError(NOT_AN_UPLOAD)
     if isinstance(upload, (str, Path)) and str(upload).startswith("data:"):
         try:
             data = base64.b64decode(str(upload).split(",", 1)[1], validate=False)

@@ -29,7 +29,7 @@ from helpers.service import (  # noqa: E402, F401 (fixtures)
 )
 from showattendtell.service import events  # noqa: E402
 from showattendtell.service.captioning import api_caption, caption_image  # noqa: E402
-from showattendtell.service.worker import CaptionService, load_service  # noqa: E402
+from showattendtell.service.worker import CaptionService, ServiceError, load_service  # noqa: E402
 
 
 def test_caption_real_photo_soft_and_hard(service: CaptionService):
@@ -280,6 +280,14 @@ def test_bad_input_gives_clear_messages(service: CaptionService, tmp_path: Path)
     png = encode(Image.new("RGB", (64, 48), "blue"), "PNG")
     inline = "data:image/png;base64," + base64.b64encode(png).decode()
     assert caption_image(service, {"url": inline}).image.size == (64, 48)  # pasted inline
+    # Gradio checks that a "path" is an upload; a "url" naming a file on the server is refused
+    # unread (an image there, a text file or none give the same answer)
+    secret = photo(0)
+    for url in (str(secret), f"file://{secret}", "/etc/passwd", str(tmp_path / "none.jpg")):
+        with pytest.raises(ServiceError, match="other URLs are not read"):
+            caption_image(service, {"url": url})
+        with pytest.raises(gr.Error, match="other URLs are not read"):
+            api_caption(service, {"url": url, "orig_name": "x.jpg"})
     too_big = "A" * 4 * (service.max_upload_bytes // 3 + 2)  # decodes to just over the limit
     with pytest.raises(ImageError, match="MB limit"):
         caption_image(service, {"url": "data:image/png;base64," + too_big})
