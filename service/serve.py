@@ -64,13 +64,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-batch",
         type=int,
         default=8,
-        help="most concurrent requests captioned as one batch (1: no batching)",
+        help="most concurrent requests captioned as one batch (default 8; 1: no batching)",
     )
     p.add_argument(
         "--queue-size",
         type=int,
         default=64,
-        help="most requests waiting in the queue before new ones are refused",
+        help="most requests waiting in the queue before new ones are refused (default 64)",
     )
     p.add_argument(
         "--examples",
@@ -166,8 +166,19 @@ def check_options(args: argparse.Namespace) -> None:
             raise ServeError(f"{flag} must be 0 (no limit) or positive, not {value:g}")
     if not args.session_minutes > 0:
         raise ServeError(f"--session-minutes must be positive, not {args.session_minutes:g}")
-    if args.max_sessions < 1:
-        raise ServeError(f"--max-sessions must be at least 1, not {args.max_sessions}")
+    for flag, value in (
+        ("--max-sessions", args.max_sessions),
+        ("--concurrency", args.concurrency),  # 0: every request would wait for ever
+        ("--max-batch", args.max_batch),
+        ("--queue-size", args.queue_size),  # 0: every request would be refused
+    ):
+        if value < 1:
+            raise ServeError(f"{flag} must be at least 1, not {value}")
+    if ":" in args.host:  # Gradio builds its own address as host:port, which breaks on these
+        raise ServeError(
+            f"--host {args.host}: IPv6 addresses are not supported by the web server; give an "
+            "IPv4 address (127.0.0.1, 0.0.0.0) or a host name"
+        )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

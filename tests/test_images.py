@@ -203,7 +203,7 @@ def test_a_one_pixel_photo_is_captioned_with_a_warning(tiny_model_file, tmp_path
     captured = capsys.readouterr()
     pixel, fine = (json.loads(line) for line in captured.out.splitlines())
     assert pixel["caption"] and "1x1 pixels" in pixel["warning"] and "warning" not in fine
-    assert f"warning: {tmp_path / 'pixel.png'}: the image is only 1x1" in captured.err
+    assert f"warning: {tmp_path / 'pixel.png'}: the image is 1x1 pixels, a side" in captured.err
     result = caption_images(load_model(tiny_model_file, "cpu"), [tmp_path / "pixel.png"])[0]
     assert "1x1" in result.warning and result.to_dict()["warning"] == result.warning
     out = tmp_path / "out.csv"

@@ -101,6 +101,10 @@ def test_model_option_is_declared_once():
         (["--cache-mb", "-1"], "--cache-mb"),
         (["--session-minutes", "0"], "--session-minutes"),
         (["--max-sessions", "0"], "--max-sessions"),
+        (["--concurrency", "0"], "--concurrency must be at least 1, not 0"),
+        (["--max-batch", "-3"], "--max-batch must be at least 1, not -3"),
+        (["--queue-size", "0"], "--queue-size must be at least 1, not 0"),
+        (["--host", "::1"], "--host ::1: IPv6 addresses are not supported"),
         (["--port", "70000"], "--port"),
     ],
 )

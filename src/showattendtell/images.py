@@ -99,7 +99,7 @@ def open_image(
             raise ImageError(f"{name}: not an image file (or a format we cannot read)") from None
         except Image.DecompressionBombError:
             raise ImageError(
-                f"{name}: the image is too large (over {max_pixels:,} pixels); resize it first"
+                f"{name}: too large (over {max_pixels:,} pixels); resize it first"
             ) from None
         except OSError as e:
             raise ImageError(f"{name}: the image data is corrupt or truncated ({e})") from None
@@ -170,7 +170,7 @@ def size_warning(w: int, h: int) -> str | None:
     """``image_warning`` for an upright photo of w x h pixels."""
     if min(w, h) < MIN_SIDE:
         return (
-            f"the image is only {w}x{h} pixels (a side under {MIN_SIDE}): the caption is "
+            f"the image is {w}x{h} pixels, a side under {MIN_SIDE}: the caption is "
             "little more than a guess"
         )
     if max(w, h) / min(w, h) > MAX_ASPECT:
