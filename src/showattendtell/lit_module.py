@@ -15,7 +15,7 @@ from showattendtell.decoding import DecodingConfig
 from showattendtell.encoder import EncoderConfig
 from showattendtell.graphed import GraphedObjective
 from showattendtell.losses import soft_attention_loss
-from showattendtell.metrics import score_captions
+from showattendtell.metrics import VALIDATION_SCORES, score_captions
 from showattendtell.model import CaptionModel
 from showattendtell.objectives import (
     MaximumLikelihood,
@@ -336,12 +336,7 @@ class CaptionModule(L.LightningModule):
         scores = score_captions(preds, refs, official=False)
         # every rank gathered the same predictions, so every rank logs the same values (which
         # ModelCheckpoint and EarlyStopping monitor)
-        for key, name in (
-            ("bleu1", "Bleu_1"),
-            ("bleu4", "Bleu_4"),
-            ("rouge_l", "ROUGE_L"),
-            ("cider", "CIDEr"),
-        ):
+        for key, name in VALIDATION_SCORES.items():
             self.log(f"val/{key}", scores[name], prog_bar=key in ("bleu4", "cider"), sync_dist=True)
         # how many images were scored: under DDP, DistributedSampler pads the last batches with
         # repeated images, which keying the predictions by image id counts once

@@ -65,6 +65,11 @@ def _ptb_tokenize(captions: dict[str, list[str]]) -> dict[str, list[str]]:
     return PTBTokenizer().tokenize({k: [{"caption": c} for c in v] for k, v in captions.items()})
 
 
+# The scores validation logs (as val/KEY), by the toolkit's names; `sat train --run.monitor`
+# picks the best checkpoint by one of them.
+VALIDATION_SCORES = {"bleu1": "Bleu_1", "bleu4": "Bleu_4", "rouge_l": "ROUGE_L", "cider": "CIDEr"}
+
+
 def score_captions(
     predictions: dict[str, str],
     references: dict[str, list[str]],

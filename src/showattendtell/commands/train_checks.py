@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from showattendtell.errors import UsageError
+from showattendtell.metrics import VALIDATION_SCORES
 
 
 def check_config_files(args: list[str]) -> None:
@@ -58,7 +59,7 @@ def check_data_settings(data) -> None:
 
 
 # the validation scores CaptionModule logs (higher is better: the callbacks' mode is max)
-MONITORS = ("val/bleu1", "val/bleu4", "val/rouge_l", "val/cider")
+MONITORS = tuple(f"val/{key}" for key in VALIDATION_SCORES)
 
 
 def check_run_settings(run) -> None:
