@@ -211,3 +211,25 @@ def test_scores_are_printed_when_the_results_cannot_be_written(
     assert len(kept) == 1 and str(kept[0]) in errors[0]
     assert len(json.loads(kept[0].read_text())) == 2
     assert not out.exists()
+
+
+def test_overwrite_never_replaces_a_file_of_the_dataset(model_file, tmp_path, capsys):
+    """--output a photo or the split file of --root, even with --overwrite, would lose it; a
+    results file there may be replaced. Refused before Java is looked for or a model loaded."""
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=2)
+    photo = next((root / "images").iterdir())
+    dataset_files = [photo, *(p for p in root.iterdir() if p.is_file())]
+    before = {p: p.read_bytes() for p in dataset_files}
+    for target in dataset_files:
+        args = flickr8k_argv(model_file, root, "--num-workers", "0", output=target)
+        assert main([*args, "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith("not a results file; write the results elsewhere") and "\n" not in err
+    assert {p: p.read_bytes() for p in dataset_files} == before
+    from showattendtell.commands.evaluate import _is_results_file
+
+    mine = root / "results.json"
+    mine.write_text(json.dumps([{"image_id": "1000_synthetic", "caption": "a dog"}]))
+    assert _is_results_file(mine)
+    mine.write_text("[1, 2]")
+    assert not _is_results_file(mine)

@@ -214,7 +214,34 @@ def _output_path(args: argparse.Namespace) -> Path | None:
         return None
     path = Path(args.output)
     check_new_output("--output", path, args.overwrite)
+    _check_not_a_dataset_file(path, Path(args.root))
     return path
+
+
+def _check_not_a_dataset_file(path: Path, root: Path) -> None:
+    """An existing --output in the dataset's folder is replaced (with --overwrite) only if it
+    is a results file: a photo or a captions file there would be lost for good."""
+    if not path.is_file() or not path.resolve().is_relative_to(root.resolve()):
+        return
+    if _is_results_file(path):
+        return
+    raise EvaluateError(
+        f"--output {path} is a file of the dataset in --root {root}, not a results file; "
+        "write the results elsewhere"
+    )
+
+
+def _is_results_file(path: Path, max_bytes: int = 200 * 2**20) -> bool:
+    """A results file of `sat evaluate` (COCO's format: a list of image_id and caption)."""
+    if path.stat().st_size > max_bytes:
+        return False
+    try:
+        results = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(results, list) and all(
+        isinstance(r, dict) and {"image_id", "caption"} <= r.keys() for r in results[:1]
+    )
 
 
 def _write_results(output: Path, results: list) -> str | None:
