@@ -149,3 +149,42 @@ def test_repetition_counts_captions_that_repeat_a_bigram():
     )
     # "at a" / "a table" twice in a; "a a" twice in d; c repeats words but no bigram
     assert got == {"repeated_bigram_captions": 0.5, "mean_words": (9 + 6 + 4 + 3) / 4}
+
+
+class StuckMeteor:
+    """pycocoevalcap's Meteor as far as a failure goes: compute_score holds the lock it takes,
+    and __del__ takes it again (so a scorer left mid-score hangs the process at exit)."""
+
+    def __init__(self, failure: BaseException):
+        import subprocess
+        import threading
+
+        self.failure = failure
+        self.meteor_p = subprocess.Popen(["sleep", "60"], stdin=subprocess.PIPE)
+        self.lock = threading.Lock()
+
+    def compute_score(self, gts, res):
+        self.lock.acquire()
+        raise self.failure
+
+    def __del__(self):
+        self.lock.acquire()
+        self.meteor_p.stdin.close()
+        self.meteor_p.kill()
+        self.meteor_p.wait()
+        self.lock.release()
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt(), ValueError("could not convert")])
+def test_a_meteor_score_cut_short_stops_java_and_leaves_no_lock_held(monkeypatch, failure):
+    """Ctrl-C during `sat evaluate`'s METEOR left it waiting for ever at exit."""
+    from showattendtell import metrics
+
+    stuck = StuckMeteor(failure)
+    monkeypatch.setattr(metrics, "meteor_scorer", lambda: stuck)
+    monkeypatch.setattr(metrics.meteor_scorer, "cache_clear", lambda: None, raising=False)
+    with pytest.raises(type(failure)):
+        metrics.meteor_scores({1: ["a dog"]}, {1: ["a dog"]})
+    assert stuck.meteor_p.poll() is not None and not stuck.lock.locked()
+    assert stuck.lock.acquire(timeout=1)  # what __del__ does first: it no longer waits
+    stuck.lock.release()

@@ -59,6 +59,25 @@ def meteor_scorer():
     return Meteor()
 
 
+def meteor_scores(gts: dict, res: dict) -> tuple[float, list[float]]:
+    """METEOR's ``compute_score``; after any failure, Ctrl-C included, its Java process is
+    stopped and the scorer dropped (the next call starts a new one). pycocoevalcap's scorer
+    holds a lock while it scores and its ``__del__`` takes that lock again: a scorer left in
+    the middle of a score would hang the process when it is collected, at exit at the latest."""
+    scorer = meteor_scorer()
+    try:
+        return scorer.compute_score(gts, res)
+    except BaseException:
+        meteor_scorer.cache_clear()
+        with contextlib.suppress(OSError):  # a pipe to a process that is gone
+            scorer.meteor_p.kill()
+            scorer.meteor_p.wait()
+            scorer.meteor_p.stdin.close()
+        if scorer.lock.locked():
+            scorer.lock.release()
+        raise
+
+
 def _ptb_tokenize(captions: dict[str, list[str]]) -> dict[str, list[str]]:
     from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
@@ -101,7 +120,7 @@ def score_captions(
         (Cider(), "CIDEr"),
     ]
     if official:
-        scorers.insert(1, (meteor_scorer(), "METEOR"))
+        scorers.insert(1, (None, "METEOR"))  # meteor_scores
         if spice and spice_available():
             from pycocoevalcap.spice.spice import Spice
 
@@ -114,11 +133,10 @@ def score_captions(
     scores: dict[str, float] = {}
     for scorer, names in scorers:
         try:
+            compute = meteor_scores if scorer is None else scorer.compute_score
             with contextlib.redirect_stdout(io.StringIO()):  # the scorers print their progress
-                value, _ = scorer.compute_score(gts, res)
+                value, _ = compute(gts, res)
         except (subprocess.CalledProcessError, OSError) as e:
-            if names == "METEOR":
-                meteor_scorer.cache_clear()  # its Java process is gone: start afresh next time
             if names != "SPICE":
                 raise MetricsError(f"the COCO caption toolkit failed computing {names}: {e}") from e
             log.warning("SPICE skipped: its Java scorer failed (%s)", e)
@@ -196,8 +214,7 @@ class MeteorReward:
         gts = {i: refs for i, refs in enumerate(references)}
         res = {i: [cand] for i, cand in enumerate(candidates)}
         try:
-            _, scores = meteor_scorer().compute_score(gts, res)
+            _, scores = meteor_scores(gts, res)
         except (OSError, ValueError) as e:
-            meteor_scorer.cache_clear()
             raise MetricsError(f"the METEOR scorer failed: {e}") from e
         return [float(s) for s in scores]
