@@ -162,3 +162,75 @@ def test_bad_requests_are_one_line_errors(tmp_path, dataset, split, match):
 def test_missing_root(tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         load_split("flickr8k", tmp_path / "nope", "train")
+
+
+def _flickr_copy(synthetic_flickr, tmp_path):
+    root = tmp_path / "f8k"
+    root.mkdir()
+    for f in synthetic_flickr.iterdir():  # the images by link: only the text files change
+        (root / f.name).symlink_to(f) if f.is_dir() else shutil.copy(f, root / f.name)
+    return root
+
+
+def test_flickr8k_malformed_token_lines_are_skipped_with_one_warning(
+    synthetic_flickr, tmp_path, caplog
+):
+    root = _flickr_copy(synthetic_flickr, tmp_path)
+    token = root / "Flickr8k.token.txt"
+    lines = token.read_text().splitlines()
+    name = lines[0].split("#")[0]
+    bad = [f"{name}#9\tcaption\textra", f"{name}#x\t", f"{name}#5\t  ", f"{name} no tab"]
+    token.write_text("\n".join(lines[:2] + bad + lines[2:]) + "\n")
+    with caplog.at_level(logging.WARNING):
+        split = load_split("flickr8k", root, "train")
+    im = next(im for im in split.images if im.image_id == name)
+    assert len(im.captions) == 5 and all(c.strip() and "\t" not in c for c in im.captions)
+    warnings = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(warnings) == 1 and "skipped 4 malformed lines" in warnings[0]
+    assert "first: line 3" in warnings[0] and str(token) in warnings[0]
+
+
+def test_flickr8k_token_file_not_utf8(synthetic_flickr, tmp_path):
+    root = _flickr_copy(synthetic_flickr, tmp_path)
+    token = root / "Flickr8k.token.txt"
+    token.write_bytes(token.read_bytes().replace(b"\n", b"\n\xff caf\xe9\n", 1))
+    with pytest.raises(DatasetError, match=r"Flickr8k.token.txt is not UTF-8 .*line 2") as e:
+        load_split("flickr8k", root, "train")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ("{not json", "is not JSON"),
+        ("[]", "not a Karpathy split file"),
+        ('{"images": 5}', "not a Karpathy split file"),
+        ('{"images": [{"filename": "a.jpg", "sentences": []}]}', r"images\[0\] has no str 'split'"),
+        ('{"images": [{"filename": "a.jpg", "split": "train", "sentences": [{}]}]}', "'raw'"),
+        ('{"images": [7]}', r"images\[0\] is a int"),
+    ],
+)
+def test_a_damaged_karpathy_json_is_one_dataset_error(tmp_path, content, match):
+    (tmp_path / "dataset_flickr8k.json").write_text(content)
+    with pytest.raises(DatasetError, match=match) as e:
+        load_split("karpathy", tmp_path, "train")
+    assert "dataset_flickr8k.json" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"images": 5}',
+        "{not json",
+        "[]",
+        '{"images": [{"id": 1}], "annotations": [{"image_id": 1}]}',
+        b'{"images": [], "info": "\xff"}',
+    ],
+)
+def test_a_damaged_coco_caption_file_is_one_dataset_error(tmp_path, content):
+    ann = tmp_path / "annotations" / "captions_val2014.json"
+    ann.parent.mkdir()
+    ann.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(DatasetError, match="is not a COCO caption file") as e:
+        load_split("coco", tmp_path, "val")
+    assert "captions_val2014.json" in str(e.value) and "\n" not in str(e.value)

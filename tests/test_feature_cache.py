@@ -133,6 +133,60 @@ def test_resume_after_interruption(tmp_path, encoder, images, expected):
         _assert_close(final[key], f)
 
 
+def _cut_short(shard):  # the header still promises every row
+    os.truncate(shard, shard.stat().st_size // 2)
+
+
+def _not_json(shard):
+    shard.with_suffix(".keys.json").write_text('["1000_synthetic.jpg", oops')
+
+
+def _random_bytes(shard):  # no .npy header: np.load would take it for a pickle
+    shard.write_bytes(np.random.default_rng(0).bytes(5000))
+
+
+def _one_key_short(shard):
+    keys = json.loads(shard.with_suffix(".keys.json").read_text())
+    shard.with_suffix(".keys.json").write_text(json.dumps(keys[:-1]))
+
+
+@pytest.mark.parametrize("damage", [_cut_short, _not_json, _random_bytes, _one_key_short])
+def test_a_damaged_shard_is_refused_or_extracted_again(
+    tmp_path, encoder, images, expected, damage, caplog
+):
+    cache = FeatureCache.for_config(tmp_path, CONFIG)
+    assert _extract(cache, images, encoder) == N  # shards 0 and 1, 4 images each
+    shard = cache.dir / "shard-00001.npy"
+    damage(shard)
+    # a reader that cannot re-extract (consensus) names the shard and what to do
+    with pytest.raises(FeatureCacheError, match=r"shard-00001\.npy is damaged.*sat features"):
+        FeatureCache(cache.dir)
+    # `sat features` / `sat train` drop the shard and encode its images again
+    with caplog.at_level(logging.WARNING):
+        repaired = FeatureCache.for_config(tmp_path, CONFIG)
+    assert any("shard-00001.npy is damaged" in r.getMessage() for r in caplog.records)
+    assert not shard.exists() and not shard.with_suffix(".keys.json").exists()
+    assert len(repaired) == 4
+    assert [im.image_id for im in repaired.missing(images)] == [im.image_id for im in images[4:]]
+    assert _extract(repaired, images, encoder) == 4
+    final = FeatureCache(cache.dir)
+    assert len(final) == N
+    for key, f in expected.items():
+        _assert_close(final[key], f)
+
+
+def test_damaged_meta_or_failure_record(tmp_path, encoder, images):
+    cache = FeatureCache.for_config(tmp_path, CONFIG)
+    (cache.dir / "failed.json").write_text("{not json")
+    with pytest.raises(FeatureCacheError, match=r"failed\.json is damaged"):
+        FeatureCache(cache.dir)
+    assert FeatureCache.for_config(tmp_path, CONFIG).failed == {}  # its images are tried again
+    assert not (cache.dir / "failed.json").exists()
+    (cache.dir / "meta.json").write_text("[]")
+    with pytest.raises(FeatureCacheError, match=r"meta\.json is damaged.*delete the folder"):
+        FeatureCache.for_config(tmp_path, CONFIG)
+
+
 def test_another_encoder_config_never_reads_these_features(tmp_path, encoder, images):
     cache = FeatureCache.for_config(tmp_path, CONFIG)
     _extract(cache, images[:2], encoder)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,16 +117,49 @@ def load_flickr8k(root: str | Path, split: str) -> Split:
     for f in (token_file, split_file):
         if not f.is_file():
             raise DatasetError(f"{f} not found: see data/README.md for the Flickr8k layout")
-    captions: dict[str, list[str]] = defaultdict(list)
-    for line in token_file.read_text(encoding="utf-8").splitlines():
-        if "\t" not in line:
-            continue
-        key, caption = line.split("\t", 1)
-        captions[key.rsplit("#", 1)[0]].append(caption.strip())
-    names = [n.strip() for n in split_file.read_text().splitlines() if n.strip()]
+    captions = _read_flickr_tokens(token_file)
+    names = [n.strip() for n in _read_text(split_file).splitlines() if n.strip()]
     image_dir = _find_flickr_images(root)
     items = [CaptionedImage(n, image_dir / n, captions[n]) for n in names if captions.get(n)]
     return _finish(f"flickr8k/{split}", items, image_dir)
+
+
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of a dataset file; DatasetError with the line of the first bad byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DatasetError(
+            f"{path} is not UTF-8 text (byte {data[e.start]:#04x} on line {line}): "
+            "re-download it or save it as UTF-8"
+        ) from None
+
+
+_TOKEN_LINE = re.compile(r"(?P<name>[^\t]+)#\d+\t(?P<caption>[^\t]*)")
+
+
+def _read_flickr_tokens(token_file: Path) -> dict[str, list[str]]:
+    """Image name -> captions from ``<name>#<n><TAB><caption>`` lines. Any other line (no tab,
+    a field more, no caption number) or an empty caption is skipped: a reference that is
+    not a caption would distort training and BLEU; one warning says how many and where."""
+    captions: dict[str, list[str]] = defaultdict(list)
+    bad: list[int] = []
+    for number, line in enumerate(_read_text(token_file).splitlines(), 1):
+        m = _TOKEN_LINE.fullmatch(line.rstrip("\r"))
+        if m and m["caption"].strip():
+            captions[m["name"].strip()].append(m["caption"].strip())
+        elif line.strip():
+            bad.append(number)
+    if bad:
+        log.warning(
+            "%s: skipped %d malformed lines (not <image>#<n><TAB><caption>; first: line %d)",
+            token_file,
+            len(bad),
+            bad[0],
+        )
+    return captions
 
 
 # -- Karpathy's dataset_{flickr8k,flickr30k,coco}.json ------------------------------------------
@@ -169,10 +203,10 @@ def load_karpathy(
     if split not in KARPATHY_SPLITS:
         raise DatasetError(f"Karpathy splits are {sorted(KARPATHY_SPLITS)}, not {split!r}")
     wanted = KARPATHY_SPLITS[split]
-    data = json.loads(json_path.read_text(encoding="utf-8"))
+    entries = _karpathy_entries(json_path)
     base = Path(image_dir) if image_dir else root
     items = []
-    for im in data["images"]:
+    for im in entries:
         if im["split"] not in wanted:
             continue
         path = _karpathy_image_path(base, im)
@@ -180,6 +214,41 @@ def load_karpathy(
         caps = [s["raw"].strip() for s in im["sentences"]]
         items.append(CaptionedImage(key, path, caps, im.get("cocoid")))
     return _finish(f"{json_path.name}/{split}", items, base)
+
+
+def _karpathy_entries(json_path: Path) -> list[dict]:
+    """The ``images`` of a Karpathy split file, each checked for the fields the reader uses,
+    so a damaged or foreign file is one DatasetError naming the first bad entry."""
+    try:
+        data = json.loads(_read_text(json_path))
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{json_path} is not JSON ({e}): re-download it") from None
+    entries = data.get("images") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise DatasetError(
+            f"{json_path} is not a Karpathy split file (no list under 'images'): "
+            "use dataset_flickr8k.json, dataset_flickr30k.json or dataset_coco.json"
+        )
+    for i, im in enumerate(entries):
+        problem = _karpathy_entry_problem(im)
+        if problem:
+            raise DatasetError(f"{json_path}: images[{i}] {problem}: re-download the file")
+    return entries
+
+
+def _karpathy_entry_problem(im: object) -> str | None:
+    if not isinstance(im, dict):
+        return f"is a {type(im).__name__}, not an object"
+    for name, kind in (("split", str), ("filename", str), ("sentences", list)):
+        if not isinstance(im.get(name), kind):
+            return f"has no {kind.__name__} {name!r}"
+    if not all(isinstance(s, dict) and isinstance(s.get("raw"), str) for s in im["sentences"]):
+        return "has a sentence without a 'raw' string"
+    if "filepath" in im and not isinstance(im["filepath"], str):
+        return "has a 'filepath' that is not a string"
+    if "cocoid" in im and not isinstance(im["cocoid"], int):
+        return "has a 'cocoid' that is not an integer"
+    return None
 
 
 _FLICKR_IMAGE_DIRS = (
@@ -240,7 +309,10 @@ def load_coco(root: str | Path, split: str) -> Split:
     from pycocotools.coco import COCO
 
     ann_file = coco_annotation_file(root, split)
-    coco = _quiet_coco(COCO, ann_file)
+    try:
+        coco = _quiet_coco(COCO, ann_file)
+    except _MALFORMED as e:
+        raise _coco_error(ann_file, e) from None
     year = ann_file.stem[-4:]
     image_dir = next(
         (
@@ -250,12 +322,31 @@ def load_coco(root: str | Path, split: str) -> Split:
         ),
         root / f"{split}{year}",
     )
+    try:
+        items = _coco_items(coco, image_dir)
+    except _MALFORMED as e:
+        raise _coco_error(ann_file, e) from None
+    return _finish(f"coco/{ann_file.name}", items, image_dir)
+
+
+# what pycocotools and the reader raise on a file that is not a COCO caption file
+_MALFORMED = (ValueError, TypeError, KeyError, AttributeError, AssertionError, IndexError)
+
+
+def _coco_error(ann_file: Path, e: Exception) -> DatasetError:
+    return DatasetError(
+        f"{ann_file} is not a COCO caption file ({type(e).__name__}: {e}): re-download it "
+        f"with `sat data coco --root {ann_file.parent.parent}`"
+    )
+
+
+def _coco_items(coco, image_dir: Path) -> list[CaptionedImage]:
     items = []
     for img_id in sorted(coco.getImgIds()):
         info = coco.loadImgs(img_id)[0]
         caps = [a["caption"].strip() for a in coco.loadAnns(coco.getAnnIds(imgIds=img_id))]
         items.append(CaptionedImage(str(img_id), image_dir / info["file_name"], caps, img_id))
-    return _finish(f"coco/{ann_file.name}", items, image_dir)
+    return items
 
 
 def _quiet_coco(COCO, ann_file: Path):

@@ -61,26 +61,89 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _read_json(path: Path, kind: type, cache_dir: Path):
+    """``path`` parsed, checked to be a ``kind``; FeatureCacheError (what to do) otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        value, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = f"a JSON {type(value).__name__}, not a {kind.__name__}"
+    if not isinstance(value, kind):
+        raise FeatureCacheError(
+            f"{path} is damaged ({why}): delete the folder {cache_dir} and run `sat features`"
+        )
+    return value
+
+
+def _shard_keys(shard: Path) -> tuple[list[str], str | None]:
+    """A shard's image ids, and what is wrong with it (None: nothing): its .npy must
+    memory-map as a float16 array of one row per id in its .keys.json (a file cut short has a
+    header promising more bytes)."""
+    try:
+        keys = json.loads(shard.with_suffix(".keys.json").read_text(encoding="utf-8"))
+        arr = np.load(shard, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:  # JSONDecodeError, UnicodeDecodeError: ValueError
+        return [], f"{type(e).__name__}: {e}"
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        return [], f"{shard.with_suffix('.keys.json').name} is not a list of image ids"
+    if arr.dtype != np.float16 or arr.ndim < 2 or arr.shape[0] != len(keys):
+        return [], f"a {arr.dtype} array of shape {arr.shape} for {len(keys)} image ids"
+    return keys, None
+
+
 class FeatureCache:
     """Read access to one cache folder: ``cache[image_id]`` -> float32 tensor (L, D)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, repair: bool = False):
+        """Index the cache in ``directory``. A damaged shard or failure record (cut short, not
+        JSON, not an array) is removed when ``repair`` (its images count as missing, so the next
+        extraction encodes them again) and raises FeatureCacheError otherwise."""
         self.dir = Path(directory)
         meta_file = self.dir / "meta.json"
         if not meta_file.is_file():
             raise FeatureCacheError(f"no feature cache in {self.dir} (meta.json missing)")
-        self.meta = json.loads(meta_file.read_text())
+        self.meta = _read_json(meta_file, dict, self.dir)
         self.index: dict[str, tuple[int, int]] = {}
-        self.shards: list[Path] = sorted(self.dir.glob("shard-*.npy"))
-        for s, shard in enumerate(self.shards):
-            keys = json.loads(shard.with_suffix(".keys.json").read_text())
+        self.shards: list[Path] = []
+        for shard in sorted(self.dir.glob("shard-*.npy")):
+            keys = self._checked_keys(shard, repair)
+            if keys is None:
+                continue
             for row, key in enumerate(keys):
-                self.index[key] = (s, row)
+                self.index[key] = (len(self.shards), row)
+            self.shards.append(shard)
         self.failed: dict[str, str] = {}
         for failed in sorted(self.dir.glob("failed*.json")):
-            self.failed.update(json.loads(failed.read_text()))
+            try:
+                self.failed.update(_read_json(failed, dict, self.dir))
+            except FeatureCacheError:
+                if not repair:
+                    raise
+                log.warning("feature cache: removed %s (not readable); retrying its images", failed)
+                failed.unlink(missing_ok=True)
         self.writer = ""  # "-r001": the name suffix of this process's files (see ``extract``)
         self._arrays: dict[int, np.ndarray] = {}  # opened lazily, per process (DataLoader workers)
+
+    def _checked_keys(self, shard: Path, repair: bool) -> list[str] | None:
+        """The image ids of a readable shard; None for a damaged one that ``repair`` removed.
+        An unreadable shard would otherwise crash training at its first batch from it."""
+        keys, problem = _shard_keys(shard)
+        if problem is None:
+            return keys
+        if not repair:
+            raise FeatureCacheError(
+                f"feature cache shard {shard} is damaged ({problem}): delete it and its "
+                f"{shard.with_suffix('.keys.json').name}, then run `sat features` again"
+            )
+        log.warning(
+            "feature cache shard %s is damaged (%s): removed it; its images are extracted again",
+            shard,
+            problem,
+        )
+        shard.unlink(missing_ok=True)  # the .npy first: a shard counts only while it exists
+        shard.with_suffix(".keys.json").unlink(missing_ok=True)
+        return None
 
     @classmethod
     def for_config(cls, cache_root: str | Path, config: EncoderConfig) -> FeatureCache:
@@ -95,14 +158,14 @@ class FeatureCache:
         }
         meta_file = d / "meta.json"
         if meta_file.is_file():
-            old = json.loads(meta_file.read_text())
+            old = _read_json(meta_file, dict, d)
             if old.get("fingerprint") != meta["fingerprint"]:
                 raise FeatureCacheError(
                     f"{d} holds features of another encoder configuration: delete that folder"
                 )
         else:
             _atomic_write_text(meta_file, json.dumps(meta, indent=1))
-        return cls(d)
+        return cls(d, repair=True)  # `sat features` and `sat train` refill what it drops
 
     def __contains__(self, key: str) -> bool:
         return key in self.index
