@@ -105,3 +105,28 @@ def test_mixed_precision_captioning(tiny_model_file, tmp_path, capsys):
         assert err == (
             "error: --precision 16 needs a CUDA GPU; on a CPU use 32 (the default) or bf16"
         )
+
+
+def test_odd_inputs_to_caption_images_are_the_projects_one_line_errors(tiny_model_file):
+    """What a Python user may hand over: nothing (no captions), one path instead of a list
+    (one caption, not one per letter), and things that are not images (an ImageError each,
+    not torch's or the os module's TypeError)."""
+    from PIL import Image
+
+    from showattendtell.images import ImageError
+    from showattendtell.inference import DeviceError
+
+    captioner = load_model(tiny_model_file, "cpu")
+    assert caption_images(captioner, []) == []
+    photo, _, _ = make_example(np.random.default_rng(0))
+    assert len(caption_images(captioner, photo)) == 1
+    for item, said in [
+        (None, "not a NoneType"),
+        (np.zeros((8, 8, 3), np.uint8), "not a ndarray"),
+        (torch.zeros(3, 8, 8), "not a Tensor"),
+        (Image.new("RGB", (0, 0)), r"the image is empty \(0x0 pixels\)"),
+    ]:
+        with pytest.raises(ImageError, match=said):
+            caption_images(captioner, [item])
+    with pytest.raises(DeviceError, match="'gpu' is not a device: give auto, cpu, cuda or cuda:N"):
+        load_model(tiny_model_file, "gpu")

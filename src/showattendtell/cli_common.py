@@ -55,12 +55,19 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
         )
 
 
+DEVICES = "auto, cpu, cuda or cuda:N"  # what --device and load_model(device=) take
+
+
+def is_device_name(value: object) -> bool:
+    return isinstance(value, str) and re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value) is not None
+
+
 def device_name(value: str) -> str:
     """``--device``'s value, checked here: torch's own message for "gpu" or "mps" is a
     traceback from deep inside model loading."""
-    if re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+    if is_device_name(value):
         return value
-    raise argparse.ArgumentTypeError(f"{value!r} is not a device: give auto, cpu, cuda or cuda:N")
+    raise argparse.ArgumentTypeError(f"{value!r} is not a device: give {DEVICES}")
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:

@@ -75,6 +75,10 @@ def open_image(
     """
     if isinstance(source, Image.Image):
         img = source
+        if not img.width or not img.height:
+            raise ImageError(f"the image is empty ({img.width}x{img.height} pixels)")
+    elif not isinstance(source, (str, Path, bytes)):
+        raise ImageError(f"a path, bytes or a PIL image, not a {type(source).__name__}")
     else:
         name = "the image" if isinstance(source, bytes) else str(source)
         if isinstance(source, bytes):

@@ -14,6 +14,7 @@ from PIL import Image
 
 from showattendtell import familiarity
 from showattendtell.catalog import resolve_models
+from showattendtell.cli_common import DEVICES, is_device_name
 from showattendtell.consensus import ConsensusIndex
 from showattendtell.decoding import DecodingConfig
 from showattendtell.errors import UsageError
@@ -66,11 +67,17 @@ def finite_or_none(x: float, digits: int) -> float | None:
     return round(x, digits) if math.isfinite(x) else None
 
 
+class DeviceError(UsageError, ValueError):
+    """A device that is not one of ``DEVICES``, or a GPU asked for where there is none."""
+
+
 def resolve_device(device: str = "auto") -> torch.device:
+    if not is_device_name(device):
+        raise DeviceError(f"{device!r} is not a device: give {DEVICES}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but no CUDA GPU is available")
+        raise DeviceError("--device cuda was asked for, but no CUDA GPU is available")
     return torch.device(device)
 
 
@@ -205,6 +212,10 @@ class Captioner:
         rerank.
         """
         self.check_decoding(**decoding)  # bad options fail before any work
+        if isinstance(images, (str, Path, bytes, Image.Image)):  # one image, not its letters
+            images = [images]
+        if not images:
+            return []
         decoded = [open_image(im, min_size=self.input_size) for im in images]
         batch = torch.stack([preprocess(im, self.input_size) for im in decoded])
         results = self.caption_batch(batch, **decoding)
