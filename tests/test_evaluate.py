@@ -233,3 +233,18 @@ def test_overwrite_never_replaces_a_file_of_the_dataset(model_file, tmp_path, ca
     assert _is_results_file(mine)
     mine.write_text("[1, 2]")
     assert not _is_results_file(mine)
+
+
+def test_a_results_file_gets_the_usual_permissions(tmp_path):
+    """Written through a private temporary file and renamed, it is still readable by others
+    under umask 022, as a file made by open() would be."""
+    import os
+
+    from showattendtell.commands.evaluate import write_json_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "results.json", [])
+    finally:
+        os.umask(old)
+    assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644
