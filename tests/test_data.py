@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import http.client
 import io
 import json
+import shutil
 import threading
 import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -321,3 +324,136 @@ def test_the_downloader_is_a_library_without_the_command(server, tmp_path):
     download.fetch_all(archives, tmp_path / "coco", base_url=server.base)
     assert download.is_complete(tmp_path / "coco" / "val2014", archives[0])
     assert not (tmp_path / "coco" / "downloads" / "val2014.zip").exists()  # archives deleted
+
+
+def _error_line(capsys) -> str:
+    """The one ``error:`` line the CLI printed (no traceback)."""
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1/x", "http://"])
+def test_a_base_url_that_is_not_http_is_a_usage_error(tmp_path, capsys, url):
+    root = tmp_path / "coco"
+    argv = ["data", "coco", "--root", str(root), "--base-url", url, "--only", "val2014.zip"]
+    assert main(argv) == 2
+    assert "must be an http(s) address" in _error_line(capsys)
+    assert not root.exists()  # checked before anything is created or fetched
+
+
+def test_a_root_that_is_a_file_is_a_usage_error(server, tmp_path, capsys):
+    root = tmp_path / "coco"
+    root.write_text("")
+    assert _sat_data(server, root, _manifest(tmp_path, server.files), "--only", "val2014.zip") == 2
+    assert "a file of that name is in the way" in _error_line(capsys)
+    assert not server.requests
+
+
+def test_a_root_in_a_read_only_folder_is_a_usage_error(server, tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    real = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):  # chmod does not stop root (tests may run as root)
+        if locked in (self, *self.parents):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    root = locked / "coco"
+    assert _sat_data(server, root, _manifest(tmp_path, server.files), "--only", "val2014.zip") == 2
+    assert "cannot create the folder for --root" in _error_line(capsys)
+    assert not server.requests
+
+
+def _full_disk(monkeypatch, free: int) -> None:
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=free))
+
+
+@pytest.mark.parametrize("name", ["val2014.zip", "caption_datasets.zip"])
+def test_a_full_disk_while_downloading_fails_at_once(server, tmp_path, capsys, monkeypatch, name):
+    root = tmp_path / "coco"
+    path = next(p for p in server.files if Path(p).name == name)
+    manifest = _manifest(tmp_path, {path: server.files[path]})
+    if name == "caption_datasets.zip":  # no published size
+        manifest.write_text(json.dumps({name: {"size": None, "md5": None}}))
+    calls = []
+
+    def disk_fills_up(url, part, a):
+        calls.append(url)
+        part.write_bytes(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    _full_disk(monkeypatch, 12_345_678)
+    monkeypatch.setattr(download, "_transfer", disk_fills_up)
+    monkeypatch.setattr(download.time, "sleep", lambda s: pytest.fail("retried on a full disk"))
+    assert _sat_data(server, root, manifest, "--only", name) == 1
+    assert len(calls) == 1  # no retries: they cannot help
+    line = _error_line(capsys)
+    assert "no space left on the device" in line and "12.3 MB free" in line
+    assert "kept 100 bytes" in line and "0.0 GB" not in line
+    assert ("needs about" in line) == (name == "val2014.zip")  # never a guessed size
+    assert (root / "downloads" / f"{name}.part").stat().st_size == 100
+
+
+def test_a_full_disk_while_unpacking_keeps_the_archive(server, tmp_path, capsys, monkeypatch):
+    root = tmp_path / "coco"
+    manifest = _manifest(tmp_path, server.files)
+    real = download._extract_member
+
+    def disk_full(z, member, dest):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    _full_disk(monkeypatch, 2_500_000_000)
+    monkeypatch.setattr(download, "_extract_member", disk_full)
+    assert _sat_data(server, root, manifest, "--only", "val2014.zip") == 1
+    line = _error_line(capsys)
+    assert "no space left on the device while unpacking" in line and "2.5 GB free" in line
+    assert (root / "downloads" / "val2014.zip").is_file()  # verified archive kept
+    assert not list(root.glob(".*unpacking")) and not (root / "val2014").exists()
+
+    monkeypatch.setattr(download, "_extract_member", real)
+    n = len(server.requests)
+    assert _sat_data(server, root, manifest, "--only", "val2014.zip") == 0
+    assert len(server.requests) == n
+
+
+def test_too_little_space_never_shows_zero_gb(server, tmp_path, capsys, monkeypatch):
+    names = ("val2014.zip", "caption_datasets.zip")
+    files = {p: d for p, d in server.files.items() if Path(p).name in names}
+    manifest = _manifest(tmp_path, files)
+    manifest.write_text(
+        json.dumps({**json.loads(manifest.read_text()), "caption_datasets.zip": {"size": None}})
+    )
+    _full_disk(monkeypatch, 1000)
+    only = ("--only", "val2014.zip", "caption_datasets.zip")
+    assert _sat_data(server, tmp_path / "coco", manifest, *only) == 1
+    line = _error_line(capsys)
+    assert "has 1,000 bytes free" in line and "0.0 GB" not in line
+    assert "plus the unknown size of caption_datasets.zip" in line
+    assert not server.requests
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"size": "1389861"}, {"size": -1}, {"size": True}, {"md5": 123}, {"md5": "abc"}, {"sha": "x"}],
+)
+def test_a_malformed_manifest_entry_is_named(server, tmp_path, capsys, entry):
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"val2014.zip": entry}))
+    assert _sat_data(server, tmp_path / "coco", manifest, "--only", "val2014.zip") == 2
+    assert "the entry 'val2014.zip'" in _error_line(capsys)
+    assert not server.requests
+
+
+def test_ctrl_c_before_the_first_bytes_leaves_no_empty_part(server, tmp_path, monkeypatch):
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(http.client.HTTPResponse, "read", interrupted)
+    root = tmp_path / "coco"
+    assert (
+        _sat_data(server, root, _manifest(tmp_path, server.files), "--only", "val2014.zip") == 130
+    )
+    assert not list((root / "downloads").iterdir())

@@ -14,6 +14,7 @@ Only the standard library is used (urllib), so nothing is installed for a one-of
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import hashlib
 import http.client
@@ -23,21 +24,31 @@ import os
 import shutil
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
-from showattendtell.errors import UserError
+from showattendtell.caption_output import prepare_folder
+from showattendtell.errors import UsageError, UserError
 
 log = logging.getLogger(__name__)
 
 MARKER = ".sat-complete.json"
 CHUNK = 1 << 20
+READ = 1 << 16  # network reads: small, so that Ctrl-C on a slow link stops with bytes written
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # retrying cannot help: fail at once
+MANIFEST_FIELDS = {"size": int, "md5": str}
 
 
 class DownloadError(UserError, RuntimeError):
     """A download or unpack step failed; the message says what to do (usually: run again)."""
+
+
+class DownloadUsageError(DownloadError, UsageError):
+    """A bad option or input file (base URL, root folder, manifest): exit status 2, raised
+    before anything is downloaded."""
 
 
 @dataclass(frozen=True)
@@ -108,13 +119,32 @@ def load_manifest(path: str | None) -> dict[str, dict]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise DownloadError(f"cannot read the manifest {path}: {e}") from None
+        raise DownloadUsageError(f"cannot read the manifest {path}: {e}") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-        raise DownloadError(f'{path}: a manifest maps archive names to {{"size", "md5"}}')
+        raise DownloadUsageError(f'{path}: a manifest maps archive names to {{"size", "md5"}}')
     unknown = set(data) - {a.name for a in COCO_ARCHIVES}
     if unknown:
-        raise DownloadError(f"{path}: unknown archives {sorted(unknown)}")
+        raise DownloadUsageError(f"{path}: unknown archives {sorted(unknown)}")
+    for name, entry in data.items():
+        problem = _manifest_entry_problem(entry)
+        if problem:
+            raise DownloadUsageError(f"{path}: the entry {name!r}: {problem}")
     return data
+
+
+def _manifest_entry_problem(entry: dict) -> str | None:
+    """Why an entry is unusable (a string size would only fail mid-download), else None."""
+    extra = set(entry) - set(MANIFEST_FIELDS)
+    if extra:  # a misspelt "md5" would silently skip the check
+        return f"unknown fields {sorted(extra)} (only {sorted(MANIFEST_FIELDS)})"
+    size, md5 = entry.get("size"), entry.get("md5")
+    if size is not None and (type(size) is not int or size < 0):
+        return f'"size" must be a number of bytes or null, not {json.dumps(size)}'
+    if md5 is not None and not (
+        isinstance(md5, str) and len(md5) == 32 and all(c in "0123456789abcdefABCDEF" for c in md5)
+    ):
+        return f'"md5" must be 32 hex digits or null, not {json.dumps(md5)}'
+    return None
 
 
 def select_archives(only: list[str] | None, manifest: dict[str, dict]) -> list[Archive]:
@@ -133,11 +163,16 @@ def fetch_all(
     retries: int = 5,
 ) -> None:
     """Download, verify and unpack every archive not unpacked yet."""
-    root.mkdir(parents=True, exist_ok=True)
+    check_base_url(base_url)
+    if not root.is_dir():
+        prepare_folder("--root", root)  # made now, or one line saying what is in the way
     todo = [a for a in archives if not is_complete(root / a.target, a)]
     for a in archives:
         if a not in todo:
             log.info("%s: already unpacked in %s", a.name, root / a.target)
+    if todo:  # a complete, read-only dataset folder needs no write access
+        prepare_folder("--root", root)
+        prepare_folder("--root", root / "downloads")
     _check_disk_space(todo, root)
     for a in todo:
         target = root / a.target
@@ -152,6 +187,17 @@ def fetch_all(
             archive.unlink()
 
 
+def check_base_url(base_url: str | None) -> None:
+    """A mirror address urllib can fetch from; else urllib's "unknown url type" traceback."""
+    if base_url is None:
+        return
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise DownloadUsageError(
+            f"--base-url {base_url!r}: must be an http(s) address, e.g. http://host:8000/mirror"
+        )
+
+
 def is_complete(target: Path, archive: Archive) -> bool:
     marker = target / MARKER
     if not marker.is_file():
@@ -164,6 +210,7 @@ def is_complete(target: Path, archive: Archive) -> bool:
 
 def _check_disk_space(todo: list[Archive], root: Path) -> None:
     need = 0
+    unknown = [a.name for a in todo if a.size is None]
     for a in todo:
         if a.size is None:
             continue
@@ -174,10 +221,31 @@ def _check_disk_space(todo: list[Archive], root: Path) -> None:
         need += (a.size - have) + int(a.size * UNPACKED_FACTOR)
     free = shutil.disk_usage(root).free
     if need > free:
+        plus = f" plus the unknown size of {', '.join(unknown)}" if unknown else ""
         raise DownloadError(
-            f"{root} has {free / 1e9:.1f} GB free; downloading and unpacking "
-            f"needs about {need / 1e9:.1f} GB"
+            f"{root} has {_bytes(free)} free; downloading and unpacking "
+            f"needs about {_bytes(need)}{plus}"
         )
+
+
+def _bytes(n: int) -> str:
+    """A size people read at a glance: never "0.0 GB" for a few megabytes."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n:,} bytes"
+
+
+def _no_space(e: OSError, folder: Path, doing: str, a: Archive, left: int | None) -> DownloadError:
+    """The one-line error for a full disk (or quota): what is free and, if known, needed."""
+    try:
+        free = f"{_bytes(shutil.disk_usage(folder).free)} free"
+    except OSError:
+        free = "free space unknown"
+    need = f"; {a.name} needs about {_bytes(left)} more" if left is not None else ""
+    return DownloadError(
+        f"{folder}: no space left on the device while {doing} ({e.strerror or e}; {free}{need}): "
+        "free some space and run the same command again"
+    )
 
 
 # -- downloading --------------------------------------------------------------------------------
@@ -197,6 +265,11 @@ def download(a: Archive, folder: Path, base_url: str | None = None, retries: int
             _transfer(url, part, a)
             break
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            if isinstance(e, OSError) and e.errno in NO_SPACE:
+                have = part.stat().st_size if part.is_file() else 0
+                left = None if a.size is None else a.size - have + int(a.size * UNPACKED_FACTOR)
+                doing = f"downloading {a.name} (kept {have:,} bytes)"
+                raise _no_space(e, folder, doing, a, left) from None
             if isinstance(e, urllib.error.HTTPError) and e.code != 416 and e.code < 500:
                 raise DownloadError(f"{url}: HTTP {e.code} {e.reason}") from None
             attempt += 1
@@ -255,13 +328,21 @@ def _transfer(url: str, part: Path, a: Archive) -> None:
         total = have + int(length) if length is not None else a.size
         from showattendtell.progress import Progress
 
-        with open(part, mode) as f, Progress(total, a.name, "B", every_s=30, done=have) as advance:
-            while True:
-                chunk = resp.read(CHUNK)
-                if not chunk:
-                    break
-                f.write(chunk)
-                advance(len(chunk))
+        try:
+            with (
+                open(part, mode) as f,
+                Progress(total, a.name, "B", every_s=30, done=have) as advance,
+            ):
+                while True:
+                    chunk = resp.read(READ)
+                    if not chunk:
+                        break
+                    f.write(chunk)
+                    advance(len(chunk))
+        except BaseException:  # Ctrl-C before the first bytes: leave no empty .part behind
+            if part.is_file() and part.stat().st_size == 0:
+                part.unlink()
+            raise
     got = part.stat().st_size
     if total is not None and got < total:
         raise ConnectionError(f"connection closed after {got:,} of {total:,} bytes")
@@ -348,6 +429,12 @@ def unpack(archive: Path, a: Archive, root: Path) -> Path:
         os.replace(content, root / a.target)
     except zipfile.BadZipFile as e:
         raise DownloadError(f"{archive} cannot be unpacked ({e}): delete it and run again") from e
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # so that the free space reported is real
+        left = int(archive.stat().st_size * UNPACKED_FACTOR)
+        raise _no_space(e, root, f"unpacking {archive} (kept)", a, left) from None
     finally:
         if staging.exists():
             shutil.rmtree(staging)
