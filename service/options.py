@@ -17,16 +17,6 @@ from showattendtell.decoding import DECODING_OPTIONS, DecodingConfig, DecodingOp
 from showattendtell.inference import Captioner
 
 
-def applies(opt: DecodingOption, captioner: Captioner) -> bool:
-    """Whether an option changes this model's captions: the hard-attention mode only for a
-    hard-attention model, reranking only for a model with a consensus index."""
-    if opt.needs == "hard":
-        return captioner.attention_type == "hard"
-    if opt.needs == "consensus":
-        return captioner.model.consensus is not None
-    return True
-
-
 def elem_id(opt: DecodingOption) -> str:
     """The control's HTML id: the flag without its dashes (beam-size)."""
     return opt.flag[2:]
@@ -77,7 +67,7 @@ def controls(captioner: Captioner) -> dict[str, gr.Component]:
 
     def add(options: Iterable[DecodingOption]) -> None:
         for opt in options:
-            made[opt.name] = control(opt, getattr(d, opt.name), applies(opt, captioner))
+            made[opt.name] = control(opt, getattr(d, opt.name), captioner.applies(opt))
 
     add(o for o in DECODING_OPTIONS.values() if not o.advanced)
     with gr.Accordion("More decoding options", open=False):
@@ -101,7 +91,7 @@ def control_updates(captioner: Captioner) -> tuple[Any, ...]:
     """The controls set to another model's defaults, shown only where they apply to it."""
     d = captioner.decoding
     return tuple(
-        gr.update(value=getattr(d, opt.name), visible=applies(opt, captioner))
+        gr.update(value=getattr(d, opt.name), visible=captioner.applies(opt))
         for opt in DECODING_OPTIONS.values()
     )
 
@@ -125,7 +115,7 @@ def applicable(captioner: Captioner, values: Mapping[str, Any]) -> dict[str, Any
     return {
         name: value
         for name, value in values.items()
-        if name in DECODING_OPTIONS and applies(DECODING_OPTIONS[name], captioner)
+        if name in DECODING_OPTIONS and captioner.applies(DECODING_OPTIONS[name])
     }
 
 
@@ -135,5 +125,5 @@ def reported(captioner: Captioner, config: DecodingConfig) -> dict[str, Any]:
     return {
         name: value
         for name, value in config.to_dict().items()
-        if applies(DECODING_OPTIONS[name], captioner)
+        if captioner.applies(DECODING_OPTIONS[name])
     }

@@ -100,14 +100,13 @@ class CaptionService:
         checked by DecodingConfig (a DecodingError names a value out of range). An option that
         does not apply to the model (a hard-attention mode for a soft-attention model) stays
         the model's own, so that it neither splits batches nor shows in the settings."""
-        from .options import applies
 
         captioner = self.get(name)
         config = captioner.check_decoding(**overrides)
         fixed = {
             n: getattr(captioner.decoding, n)
             for n, opt in DECODING_OPTIONS.items()
-            if not applies(opt, captioner)
+            if not captioner.applies(opt)
         }
         return config.with_overrides(**fixed)
 

@@ -95,14 +95,15 @@ def decoding_overrides(args: argparse.Namespace) -> dict:
     return given
 
 
-def warn_ignored_decoding(decoding: dict, attention: str, model: str) -> None:
+def warn_ignored_decoding(decoding: dict, captioner) -> None:
     """One warning line for a decoding option given for a model that ignores it (--hard-mode
-    for a soft-attention model), rather than silence."""
+    for a soft-attention model: ``Captioner.applies``), rather than silence."""
     for opt in DECODING_OPTIONS.values():
-        if opt.needs == "hard" and attention != "hard" and decoding.get(opt.name) is not None:
+        given = decoding.get(opt.name) is not None
+        if given and opt.needs == "hard" and not captioner.applies(opt):
             print(
-                f"warning: {opt.flag} is for hard-attention models; {model} has soft attention "
-                "and ignores it",
+                f"warning: {opt.flag} is for hard-attention models; {captioner.name} has soft "
+                "attention and ignores it",
                 file=sys.stderr,
             )
 

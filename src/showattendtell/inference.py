@@ -16,7 +16,7 @@ from showattendtell import familiarity
 from showattendtell.catalog import resolve_models
 from showattendtell.cli_common import DEVICES, is_device_name
 from showattendtell.consensus import ConsensusIndex
-from showattendtell.decoding import DecodingConfig
+from showattendtell.decoding import DecodingConfig, DecodingOption
 from showattendtell.errors import UsageError
 from showattendtell.images import image_warning, open_image, preprocess
 from showattendtell.model import CaptionModel
@@ -123,6 +123,15 @@ class Captioner:
     @property
     def attention_type(self) -> str:
         return self.model.decoder.config.attention
+
+    def applies(self, opt: DecodingOption) -> bool:
+        """Whether a decoding option changes this model's captions: the hard-attention mode
+        only for a hard-attention model, reranking only for a model with a consensus index."""
+        if opt.needs == "hard":
+            return self.attention_type == "hard"
+        if opt.needs == "consensus":
+            return self.model.consensus is not None
+        return True
 
     @property
     def input_size(self) -> int:

@@ -561,7 +561,7 @@ def _caption(
             "--decode-on gpu needs a CUDA GPU (--device cuda); without one, leave it out"
         )
     if procs.rank == 0:
-        warn_ignored_decoding(decoding, captioner.attention_type, captioner.name)
+        warn_ignored_decoding(decoding, captioner)
 
     captioner.prepare(**decoding)  # with all the threads, before the lanes share them
     resume_gc()  # paused by `sat caption` while torch and the model loaded (cli.main)

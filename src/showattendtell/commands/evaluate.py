@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from showattendtell.inference import finite_or_none, load_model
 
     captioner = load_model(args.model, args.device, args.precision)
-    warn_ignored_decoding(decoding, captioner.attention_type, captioner.name)
+    warn_ignored_decoding(decoding, captioner)
     if output is None:  # the default name, from the model's: checked before captioning too
         from showattendtell.caption_output import check_new_output
 
