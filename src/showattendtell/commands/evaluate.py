@@ -330,16 +330,15 @@ def _result_id(im) -> int | str:
 
 
 def write_json_atomic(path: Path, data) -> None:
-    """Write to a temporary file in the same folder, then rename: never a half-written file."""
+    """Write to a temporary file in the same folder, then rename: never a half-written file.
+    The temporary file is made by open(), so the result has the permissions the umask gives
+    (mkstemp's would be private, 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        umask = os.umask(0)  # mkstemp makes the file private (0600): as open() would, instead
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, ensure_ascii=False)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
