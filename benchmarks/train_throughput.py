@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from showattendtell import attention
+from showattendtell import attention, fused_scores
 from showattendtell.decoder import Decoder, DecoderConfig
 from showattendtell.graphed import GraphedLoss
 from showattendtell.losses import hard_attention_loss, soft_attention_loss
@@ -124,10 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--scores",
-        choices=("pieces", "whole"),
-        default="pieces",
-        help="on a CPU, the attention scores a few images at a time (piecewise_scores.py) or "
-        "whole, by autograd, as on a GPU",
+        choices=("auto", "whole"),
+        default="auto",
+        help="the attention scores as the device takes them (a CPU a few images at a time, "
+        "piecewise_scores.py; a GPU by Triton kernels, fused_scores.py) or whole, by autograd",
     )
     p.add_argument(
         "--compile",
@@ -167,10 +167,19 @@ def train_step(
     return step
 
 
+def scores_taken(device: torch.device, asked: str) -> str:
+    """How the step computed its attention scores: "pieces", "fused" or "whole"."""
+    probe = torch.empty(1, 1, 1, device=device)
+    if asked == "auto" and attention._piecewise(probe):
+        return "pieces"
+    return "fused" if asked == "auto" and fused_scores.applies(probe) else "whole"
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
-    attention.PIECEWISE_ON_CPU = args.scores == "pieces"
+    if args.scores == "whole":
+        attention.PIECEWISE_ON_CPU, fused_scores.FUSED_DEVICES = False, set()
     torch.manual_seed(0)
     random.seed(0)
     L, D, B, V = args.grid**2, args.feature_dim, args.batch, args.vocab
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
         "vocab": V,
         "precision": args.precision,
         "strategy": "fixed" if args.compile or graphs else args.strategy,
-        "scores": args.scores,
+        "scores": scores_taken(device, args.scores),
         "compiled": args.compile,
         "cuda_graphs": graphs,
         "tokens_per_step": n_tokens,

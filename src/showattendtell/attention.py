@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from showattendtell import fused_scores
+from showattendtell.fused_scores import FusedKeys
 from showattendtell.piecewise_scores import SharedKeys, piecewise_scores, whole_scores
 
 
@@ -29,16 +31,23 @@ class AdditiveAttention(nn.Module):
         """W_a a_i + b for all locations: (B, L, D) -> (B, L, A). Once per image."""
         return self.annotation_proj(annotations)
 
-    @staticmethod
-    def shared_keys(projected: torch.Tensor) -> torch.Tensor | SharedKeys:
+    def shared_keys(self, projected: torch.Tensor) -> torch.Tensor | SharedKeys | FusedKeys:
         """W_a a + b as every word of one training pass reads it: on a CPU, SharedKeys (one
-        gradient buffer for all words, piecewise_scores.py); elsewhere the tensor itself."""
-        if _piecewise(projected) and torch.is_grad_enabled():
+        gradient buffer for all words, piecewise_scores.py); on a GPU, FusedKeys (one kernel
+        for all words' gradients, fused_scores.py); elsewhere the tensor itself."""
+        if not torch.is_grad_enabled():
+            return projected
+        if _piecewise(projected):
             return SharedKeys(projected)
+        if fused_scores.applies(projected):
+            return FusedKeys(projected, self.score.weight)
         return projected
 
     def weights(
-        self, projected: torch.Tensor | SharedKeys, hidden_proj: torch.Tensor, beams: int = 1
+        self,
+        projected: torch.Tensor | SharedKeys | FusedKeys,
+        hidden_proj: torch.Tensor,
+        beams: int = 1,
     ) -> torch.Tensor:
         """alpha_t (N, L) from W_a a + b (N / beams, L, A) and U_a h_{t-1} (N, A). Rows come in
         groups of ``beams`` per image (beam search): broadcast over each image's grid instead
@@ -52,26 +61,31 @@ class AdditiveAttention(nn.Module):
         the (N, L, A) tensor than 2 sigmoid(2x) - 1. On a CPU the images are also taken a few
         at a time (``CPU_SCORE_BYTES``), forward and backward, so that the tensor stays in the
         cache (piecewise_scores.py; faster than torch.tanh for a beam-3 step:
-        benchmarks/README.md). Elsewhere (``SLOW_TANH``) w^T tanh(x_i) itself: one pass fewer
-        each way, and no per-word 2 w.
+        benchmarks/README.md). On a GPU, Triton kernels that read the keys once a word each
+        way (fused_scores.py). Elsewhere (torch.compile, or where the kernels do not run)
+        by autograd: w^T tanh(x_i) itself, except on devices in ``SLOW_TANH``.
         """
         G, L, A = projected.shape
-        u = hidden_proj.view(G, beams, 1, A)
         w = self.score.weight.view(A)
+        u = hidden_proj.view(G, beams, 1, A)
         if _piecewise(projected):
             # in pieces of images that stay in the cache, forward and backward
             per_piece = max(1, CPU_SCORE_BYTES // (beams * L * A * projected.element_size()))
             e = piecewise_scores(projected, u, w, per_piece)
-        else:  # a GPU, torch.compile (which fuses these operations itself), autocast: whole
+        elif fused_scores.applies(projected):
+            e = fused_scores.scores(projected, hidden_proj, w, beams)  # (N, L)
+        else:  # torch.compile (which fuses these operations itself), autocast on a CPU
             e = whole_scores(projected, u, w, tanh=projected.device.type not in SLOW_TANH)
         return F.softmax(e.view(G * beams, L), dim=1)  # (G, beams, L) -> (N, L)
 
 
-def _piecewise(projected: torch.Tensor | SharedKeys) -> bool:
+def _piecewise(projected: torch.Tensor | SharedKeys | FusedKeys) -> bool:
     """Scores in pieces of images: on a CPU, except where torch.compile fuses the operations
     itself or autocast picks their precision."""
     if isinstance(projected, SharedKeys):
         return True
+    if isinstance(projected, FusedKeys):
+        return False
     cpu = projected.device.type == "cpu" and PIECEWISE_ON_CPU
     return cpu and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
 

@@ -1,0 +1,177 @@
+"""The additive attention scores on a GPU as three Triton kernels (score_kernels.py).
+
+    e_ti = w^T tanh(W_a a_i + b + U_a h_{t-1})
+
+Why: by autograd, each word's scores are 5 passes over a (B, L, A) tensor forward (add, tanh,
+the product with w) and 9 backward (w's outer product, tanh's gradient, the sums for U_a h and
+w, and adding the word's gradient of W_a a + b to those of the other words): 25 MB a pass at
+batch 64, about a quarter of a float32 training step on an H100 (benchmarks/README.md). Here a
+word's scores read W_a a + b once forward and once backward (for the gradient of U_a h, which
+the previous word's backward pass needs), and one kernel after the last word's backward pass
+makes the gradients of W_a a + b and w for all the words at once, from each word's U_a h and
+gradient of e, which are small (``FusedKeys``). torch.compile would fuse each word's operations
+too, but not gather the words' gradients, and it compiles for minutes.
+
+Used on CUDA devices where Triton runs (``applies``); a CPU takes piecewise_scores.py, and
+torch.compile the plain expression. The kernels are checked against autograd on a CPU by
+Triton's interpreter (tests/test_fused_scores.py), and on a GPU by tests/test_cuda.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from showattendtell.grad_anchor import Anchor
+
+FUSED_DEVICES = {"cuda"}  # device types whose scores take the kernels (tests add "cpu")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_WARNED: set[str] = set()  # devices where the kernels did not run, and a warning said so
+
+
+class FusedKeys:
+    """W_a a + b (G, L, A) and w (A,) of one teacher-forced pass, read by every word's scores.
+
+    Each word's backward pass leaves its U_a h (N, A) and gradient of e (N, L) here; after the
+    last of them, an ``Anchor`` over W_a a + b and w asks ``take`` for their gradients, which
+    one kernel makes for all the words. ``keys[:n]``: the first n images' keys (the packed
+    recurrence's shrinking batch); their words' rows are padded with zero gradients.
+    """
+
+    def __init__(self, projected: torch.Tensor, w: torch.Tensor):
+        self.values = projected.detach().contiguous()  # (G, L, A)
+        self.w = w.detach().reshape(-1)  # (A,), from any shape of w (nn.Linear's is (1, A))
+        self.rows = self.values.size(0)
+        self.gathered: _Gathered = _Gathered(
+            self, projected.requires_grad, w.requires_grad, w.shape
+        )
+        needed = projected.requires_grad or w.requires_grad
+        self.anchor = Anchor.apply(self.gathered, projected, w) if needed else None
+
+    def __getitem__(self, rows: slice) -> FusedKeys:
+        if rows.start not in (None, 0) or rows.step not in (None, 1):
+            raise TypeError("FusedKeys takes the first rows only: keys[:n]")
+        first = object.__new__(FusedKeys)
+        first.values, first.w, first.gathered = self.values[rows], self.w, self.gathered
+        first.rows, first.anchor = first.values.size(0), self.anchor
+        return first
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def element_size(self) -> int:
+        return self.values.element_size()
+
+
+class _Gathered:
+    """Every word's U_a h and gradient of e, until ``take`` makes the keys' and w's gradients."""
+
+    def __init__(self, keys: FusedKeys, keys_grad: bool, w_grad: bool, w_shape: torch.Size):
+        self.keys, self.needs, self.w_shape = keys, (keys_grad, w_grad), w_shape
+        self.us: list[torch.Tensor] = []  # T x (N, A)
+        self.grad_es: list[torch.Tensor] = []  # T x (N, L)
+
+    def add(self, u: torch.Tensor, grad_e: torch.Tensor, beams: int) -> None:
+        missing = (self.keys.rows - u.size(0) // beams) * beams  # rows of images gone by now
+        if missing:  # zero gradients: no word of theirs
+            u, grad_e = F.pad(u, (0, 0, 0, missing)), F.pad(grad_e, (0, 0, 0, missing))
+        self.us.append(u)
+        self.grad_es.append(grad_e)
+
+    def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.us:
+            return None, None
+        us, grad_es = torch.stack(self.us), torch.stack(self.grad_es)  # (T, N, A), (T, N, L)
+        self.us, self.grad_es = [], []
+        keys = self.keys
+        grad_p, grad_w = kernels().keys_grad(keys.values, us, grad_es, keys.w)
+        return (
+            grad_p if self.needs[0] else None,
+            grad_w.to(keys.w.dtype).view(self.w_shape) if self.needs[1] else None,
+        )
+
+
+def applies(projected: torch.Tensor | FusedKeys) -> bool:
+    """Whether the scores of these keys take the kernels: FusedKeys, or a tensor on a device
+    in FUSED_DEVICES of a dtype they take, outside torch.compile, where Triton runs."""
+    if isinstance(projected, FusedKeys):
+        return True
+    if projected.device.type not in FUSED_DEVICES or projected.dtype not in DTYPES:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return _runs(projected.device, torch.is_grad_enabled())
+
+
+def scores(projected: torch.Tensor | FusedKeys, u: torch.Tensor, w: torch.Tensor, beams: int):
+    """e (N, L) float32 from the keys (G, L, A), u = U_a h (N = G beams, A) and w (A,)."""
+    if u.stride(1) != 1:
+        u = u.contiguous()
+    if not torch.is_grad_enabled():  # inference: no graph, nothing gathered
+        values = projected.values if isinstance(projected, FusedKeys) else projected
+        return kernels().scores(values.detach().contiguous(), u, w.detach())
+    if not isinstance(projected, FusedKeys):  # a single word: its own gathering
+        projected = FusedKeys(projected, w)
+    if projected.anchor is None and not u.requires_grad:
+        return kernels().scores(projected.values, u, projected.w)
+    return _Scores.apply(projected.anchor, u, projected, beams)
+
+
+class _Scores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, u, keys: FusedKeys, beams: int):
+        ctx.save_for_backward(u)
+        ctx.keys, ctx.beams = keys, beams
+        return kernels().scores(keys.values, u, keys.w)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_e):  # (N, L)
+        (u,) = ctx.saved_tensors
+        keys: FusedKeys = ctx.keys
+        grad_e = grad_e.float().contiguous()
+        grad_u = None
+        if ctx.needs_input_grad[1]:
+            grad_u = kernels().hidden_grad(keys.values, u, keys.w, grad_e)
+        if keys.anchor is not None:
+            keys.gathered.add(u, grad_e, ctx.beams)
+        return None, grad_u, None, None
+
+
+def kernels() -> ModuleType:
+    """score_kernels, imported on first use: importing Triton takes a while."""
+    from showattendtell import score_kernels
+
+    return score_kernels
+
+
+@functools.cache
+def _runs(device: torch.device, backward: bool) -> bool:
+    """Whether the kernels run on this device: Triton imports and compiles (once a process;
+    the backward kernels only when a gradient is wanted, since each compiles for a while the
+    first time). Otherwise one warning a device, and autograd computes the scores."""
+    try:
+        with torch.enable_grad():
+            p = torch.randn(2, 3, 5, device=device, requires_grad=backward)
+            u = torch.randn(2, 5, device=device, requires_grad=backward)
+            w = torch.randn(5, device=device, requires_grad=backward)
+            e = scores(FusedKeys(p, w) if backward else p, u, w, 1)
+            if backward:
+                e.sum().backward()
+        return True
+    except Exception as error:  # Triton missing, no compiler, an unsupported GPU: all alike
+        if str(device) in _WARNED:
+            return False
+        _WARNED.add(str(device))
+        warnings.warn(
+            f"attention scores by autograd on {device}: the fused kernels do not run there "
+            f"({type(error).__name__}: {error})",
+            stacklevel=2,
+        )
+        return False

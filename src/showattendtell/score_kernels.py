@@ -1,0 +1,146 @@
+"""Triton kernels of the additive attention scores (fused_scores.py says why and when).
+
+    e_ti = w^T tanh(x_ti),   x_ti = p_i + u_t,   p = W_a a + b (G, L, A),   u_t = U_a h_{t-1}
+
+Each kernel reads p once and keeps x, tanh(x) and their gradients in registers: by autograd
+the same work is 14 passes over a (G, L, A) tensor per word. tanh(x) is taken as
+2 sigmoid(2x) - 1 and its derivative as 4 s (1 - s), s = sigmoid(2x): Triton's language has
+a sigmoid on every version the project supports, and 4 s (1 - s) keeps its precision where
+tanh(x) is near +-1.
+
+Rows of u come in groups of ``K`` per image (beams): row n = g K + k reads image g's keys.
+The kernels take any row stride for u (U_a h is a column slice of a wider matmul's output);
+the other tensors are contiguous. Sums are in float32 whatever the inputs' dtype.
+
+Importing this module imports Triton: fused_scores.py imports it on first use only, so that
+captioning on a CPU never pays for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_L = 32  # grid locations per tile
+BLOCK_A = 128  # attention channels per tile
+WARPS = 4
+
+
+@triton.jit
+def _tanh_parts(x):
+    s = tl.sigmoid(2.0 * x)
+    return 2.0 * s - 1.0, 4.0 * s * (1.0 - s)  # tanh(x), tanh'(x)
+
+
+@triton.jit
+def _scores_kernel(
+    p_ptr, u_ptr, w_ptr, e_ptr, L, A, K, u_stride, BL: tl.constexpr, BA: tl.constexpr
+):
+    """e[n, l] for one row n and BL locations: grid (K, cdiv(L, BL), G), so that the K rows
+    of one image run side by side and read its keys from the cache."""
+    k, lb, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = g * K + k
+    ls = lb * BL + tl.arange(0, BL)
+    acc = tl.zeros((BL,), dtype=tl.float32)
+    for a0 in range(0, A, BA):
+        a = a0 + tl.arange(0, BA)
+        mask = (ls[:, None] < L) & (a[None, :] < A)
+        p = tl.load(p_ptr + (g * L + ls[:, None]) * A + a[None, :], mask=mask, other=0.0)
+        u = tl.load(u_ptr + n * u_stride + a, mask=a < A, other=0.0)
+        w = tl.load(w_ptr + a, mask=a < A, other=0.0)
+        t, _ = _tanh_parts(p.to(tl.float32) + u.to(tl.float32)[None, :])
+        acc += tl.sum(t * w.to(tl.float32)[None, :], axis=1)
+    tl.store(e_ptr + n * L + ls, acc, mask=ls < L)
+
+
+@triton.jit
+def _hidden_grad_kernel(
+    p_ptr, u_ptr, w_ptr, ge_ptr, gu_ptr, L, A, K, u_stride, BL: tl.constexpr, BA: tl.constexpr
+):
+    """d e / d u for one row n and BA channels: sum_l ge[n, l] w tanh'(p_l + u_n).
+    Grid (cdiv(A, BA), K, G)."""
+    ab, k, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = g * K + k
+    a = ab * BA + tl.arange(0, BA)
+    u = tl.load(u_ptr + n * u_stride + a, mask=a < A, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + a, mask=a < A, other=0.0).to(tl.float32)
+    acc = tl.zeros((BA,), dtype=tl.float32)
+    for l0 in range(0, L, BL):
+        ls = l0 + tl.arange(0, BL)
+        mask = (ls[:, None] < L) & (a[None, :] < A)
+        p = tl.load(p_ptr + (g * L + ls[:, None]) * A + a[None, :], mask=mask, other=0.0)
+        ge = tl.load(ge_ptr + n * L + ls, mask=ls < L, other=0.0).to(tl.float32)
+        _, dt = _tanh_parts(p.to(tl.float32) + u[None, :])
+        acc += tl.sum(ge[:, None] * dt, axis=0)
+    tl.store(gu_ptr + n * A + a, acc * w, mask=a < A)
+
+
+@triton.jit
+def _keys_grad_kernel(
+    p_ptr, u_ptr, ge_ptr, w_ptr, gp_ptr, gw_ptr, L, A, K, N, T,
+    BL: tl.constexpr, BA: tl.constexpr,
+):  # fmt: skip
+    """The gradients of p and w over all T words of a pass, for one tile of one image:
+    gp[l, a] = w_a sum_t,k ge[t, n, l] tanh'(x), and this tile's share of
+    gw[a] = sum_t,k,l ge[t, n, l] tanh(x) (summed over tiles by the caller).
+    u (T, N, A) and ge (T, N, L) are contiguous. Grid (cdiv(L, BL), cdiv(A, BA), G)."""
+    lb, ab, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ls = lb * BL + tl.arange(0, BL)
+    a = ab * BA + tl.arange(0, BA)
+    mask = (ls[:, None] < L) & (a[None, :] < A)
+    tile = (g * L + ls[:, None]) * A + a[None, :]
+    p = tl.load(p_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+    acc_p = tl.zeros((BL, BA), dtype=tl.float32)
+    acc_w = tl.zeros((BA,), dtype=tl.float32)
+    for t in range(0, T):
+        for k in range(0, K):
+            n = t * N + g * K + k
+            u = tl.load(u_ptr + n * A + a, mask=a < A, other=0.0).to(tl.float32)
+            ge = tl.load(ge_ptr + n * L + ls, mask=ls < L, other=0.0).to(tl.float32)
+            th, dt = _tanh_parts(p + u[None, :])
+            acc_p += ge[:, None] * dt
+            acc_w += tl.sum(ge[:, None] * th, axis=0)
+    w = tl.load(w_ptr + a, mask=a < A, other=0.0).to(tl.float32)
+    tl.store(gp_ptr + tile, (acc_p * w[None, :]).to(gp_ptr.dtype.element_ty), mask=mask)
+    tl.store(gw_ptr + (g * tl.num_programs(0) + lb) * A + a, acc_w, mask=a < A)
+
+
+def scores(p: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """e (N, L) float32 from p (G, L, A) contiguous, u (N = G K, A; unit column stride), w (A,)."""
+    G, L, A = p.shape
+    K = u.size(0) // G
+    e = torch.empty(u.size(0), L, device=p.device, dtype=torch.float32)
+    grid = (K, triton.cdiv(L, BLOCK_L), G)
+    _scores_kernel[grid](p, u, w, e, L, A, K, u.stride(0), BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS)
+    return e
+
+
+def hidden_grad(
+    p: torch.Tensor, u: torch.Tensor, w: torch.Tensor, grad_e: torch.Tensor
+) -> torch.Tensor:
+    """d e / d u (N, A), in u's dtype, from grad_e (N, L) contiguous."""
+    G, L, A = p.shape
+    K = u.size(0) // G
+    gu = torch.empty(u.size(0), A, device=p.device, dtype=torch.float32)
+    grid = (triton.cdiv(A, BLOCK_A), K, G)
+    _hidden_grad_kernel[grid](
+        p, u, w, grad_e, gu, L, A, K, u.stride(0), BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS
+    )
+    return gu.to(u.dtype)
+
+
+def keys_grad(
+    p: torch.Tensor, us: torch.Tensor, grad_es: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of p (G, L, A; in p's dtype) and w (A,; float32) over T words, from
+    us (T, N, A) and grad_es (T, N, L), both contiguous."""
+    G, L, A = p.shape
+    T, N = us.shape[:2]
+    gp = torch.empty_like(p)
+    grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(A, BLOCK_A), G)
+    gw = torch.empty(G * grid[0], A, device=p.device, dtype=torch.float32)  # one row a tile row
+    _keys_grad_kernel[grid](
+        p, us, grad_es, w, gp, gw, L, A, N // G, N, T, BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS
+    )
+    return gp, gw.sum(0)

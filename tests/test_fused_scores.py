@@ -1,0 +1,170 @@
+"""The GPU's fused attention scores (fused_scores.py, score_kernels.py) against autograd.
+
+Without a GPU the kernels run in Triton's interpreter, on CPU tensors: the same kernels, the
+same indexing and masks, executed with NumPy. tests/test_cuda.py runs them compiled on a GPU.
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are defined: they read it then
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="the fused scores are Triton kernels: pip install triton")
+
+from helpers import make_batch, small_decoder, trained_like_decoder  # noqa: E402
+
+from showattendtell import attention, fused_scores  # noqa: E402
+from showattendtell.decoding import beam_search, greedy_decode  # noqa: E402
+from showattendtell.losses import hard_attention_loss, soft_attention_loss  # noqa: E402
+from showattendtell.piecewise_scores import whole_scores  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """The kernels for this device's scores (the interpreter's CPU ones without a GPU); the
+    plain scores by autograd where they are off (``attention.PIECEWISE_ON_CPU``)."""
+    monkeypatch.setattr(fused_scores, "FUSED_DEVICES", {DEVICE})
+    monkeypatch.setattr(attention, "PIECEWISE_ON_CPU", False)
+    monkeypatch.setattr(attention, "SLOW_TANH", set())
+
+
+def plain(monkeypatch):
+    monkeypatch.setattr(fused_scores, "FUSED_DEVICES", set())
+
+
+def textbook(p, u, w, beams):
+    """e (N, L) by autograd: w^T tanh(p_i + u)."""
+    G, L, A = p.shape
+    return whole_scores(p, u.reshape(G, beams, 1, A), w, tanh=True).reshape(G * beams, L)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beams", [1, 3])
+def test_the_kernels_give_autogrades_scores_and_gradients_over_many_words(fused, beams, dtype):
+    """Several words read one image's keys (``FusedKeys``), with beams, with sizes that are no
+    multiple of the kernels' tiles and over one tile (L 37 > 32, A 130 > 128), and U_a h a
+    column slice of a wider tensor (as the decoder's split gives it): the scores, and the
+    gradients of the keys, of U_a h and of w (one kernel after the last word), must be
+    autograd's. bf16 inputs: sums in float32, each gradient in its input's dtype."""
+    G, L, A, T = 2, 37, 130, 3
+    gen = torch.Generator().manual_seed(beams)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    p = randn(G, L, A).requires_grad_()
+    w = randn(A).requires_grad_()
+    wide = [randn(G * beams, A + 5).requires_grad_() for _ in range(T)]
+    probes = [randn(G * beams, L).float() for _ in range(T)]
+
+    def loss(scores, p, w, us):
+        return sum((scores(p, u, w) * probe).sum() for u, probe in zip(us, probes, strict=True))
+
+    keys = fused_scores.FusedKeys(p, w)
+    us = [x[:, 2 : A + 2] for x in wide]
+    got = torch.autograd.grad(
+        loss(lambda p, u, w: fused_scores.scores(keys, u, w, beams), p, w, us), [p, w, *wide]
+    )
+    # the reference in float64 from the same (rounded) inputs
+    p64, w64 = p.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    wide64 = [x.detach().double().requires_grad_() for x in wide]
+    us64 = [x[:, 2 : A + 2] for x in wide64]
+    want = torch.autograd.grad(
+        loss(lambda p, u, w: textbook(p, u, w, beams), p64, w64, us64), [p64, w64, *wide64]
+    )
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the gradients' own rounding
+    for g, ref in zip(got, want, strict=True):
+        assert g.dtype == dtype
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(g.double(), ref, rtol=0, atol=tol * scale)
+    with torch.no_grad():  # inference: the forward kernel alone
+        e = fused_scores.scores(p, us[0], w, beams)
+        torch.testing.assert_close(e.double(), textbook(p64, us64[0], w64, beams), **_close())
+
+
+def _close():
+    return {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+@pytest.mark.parametrize(
+    ("kind", "attend"), [("soft", "before"), ("soft", "after"), ("hard", "before")]
+)
+def test_a_training_pass_with_the_kernels_gives_autogrades_loss_and_gradients(
+    fused, monkeypatch, kind, attend, fixed
+):
+    """The decoder's teacher-forced pass (the GPU's fixed shape, and the shrinking batch whose
+    later words read the first images' keys only), soft and hard attention: the loss and
+    every parameter's gradient as with the scores by autograd."""
+    a, caps, lengths = make_batch(B=5, T=6, L=7, D=12)
+    a = a.to(DEVICE)
+    locs = torch.randint(0, 7, (5, 6), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    dec = small_decoder(attention=kind, attend=attend, seed=7).to(DEVICE)
+    results = []
+    for use_kernels in (True, False):
+        with monkeypatch.context() as m:
+            if not use_kernels:
+                plain(m)
+            mode = "forced" if kind == "hard" else "expectation"
+            out = dec(a, caps.to(DEVICE), lengths, mode=mode, locations=locs, fixed_shape=fixed)
+            terms = (
+                hard_attention_loss(out, 5, 0.1) if kind == "hard" else soft_attention_loss(out, 5)
+            )
+            grads = torch.autograd.grad(terms.loss, list(dec.parameters()))
+        results.append((terms.loss, grads))
+    (loss, grads), (want_loss, want_grads) = results
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for (name, _), g, want in zip(dec.named_parameters(), grads, want_grads, strict=True):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["fixed", "shrink"])
+def test_searches_with_the_kernels_give_the_same_captions(fused, monkeypatch, strategy):
+    """Greedy and beam 3, where beams share their image's keys: the same words and nearly the
+    same log-probabilities as with the scores by autograd."""
+    dec, a = trained_like_decoder().to(DEVICE), torch.randn(4, 9, 12).to(DEVICE)
+    runs = []
+    for use_kernels in (True, False):
+        with monkeypatch.context() as m:
+            if not use_kernels:
+                plain(m)
+            runs.append(
+                (
+                    greedy_decode(dec, a, 8, strategy=strategy),
+                    beam_search(dec, a, 3, 8, strategy=strategy),
+                )
+            )
+    for fast, slow in zip(*runs, strict=True):
+        for hyps_f, hyps_s in zip(fast, slow, strict=True):
+            assert [h.tokens for h in hyps_f] == [h.tokens for h in hyps_s]
+            for f, s in zip(hyps_f, hyps_s, strict=True):
+                assert abs(f.log_prob - s.log_prob) < 1e-4
+
+
+def test_where_the_kernels_do_not_run_autograd_scores_with_one_warning(fused, monkeypatch):
+    """Triton missing or failing to compile: one warning for the device, then the plain scores."""
+
+    def broken():
+        raise ImportError("no module named 'triton'")
+
+    fused_scores._runs.cache_clear()
+    monkeypatch.setattr(fused_scores, "_WARNED", set())
+    monkeypatch.setattr(fused_scores, "kernels", broken)
+    p = torch.randn(2, 3, 4, device=DEVICE)
+    with pytest.warns(UserWarning, match="attention scores by autograd .* no module named"):
+        assert not fused_scores.applies(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not fused_scores.applies(p)  # once a process
+        att = attention.AdditiveAttention(5, 4).to(DEVICE)
+        u = torch.randn(2, 4, device=DEVICE)
+        with torch.no_grad():
+            alpha = att.weights(p, u)
+    want = torch.softmax(textbook(p, u, att.score.weight.view(4), 1), dim=1)
+    torch.testing.assert_close(alpha, want)
+    fused_scores._runs.cache_clear()
