@@ -18,8 +18,8 @@ batches. Parts, each also a field of the JSON line:
 - ``startup``: `sat caption PHOTO` from the command to the printed caption, seconds; on CUDA
   also with ``--device cuda`` (``--device auto`` captions a few photos on the CPU);
 - ``training``: benchmarks/train_throughput.py (ours and the peer) in float32 and bf16 at batch
-  64 and 256, tokens/s; and float32 at batch 64 with the attention scores by autograd
-  (``--scores whole``), which shows what the fused scores give;
+  64 and 256, tokens/s; and float32 at batch 64 without the step's Triton kernels
+  (``--step autograd``), which shows what they give;
 - ``sat_train``: a short `sat train` of configs/tiny.yaml on the photos (captioned by the model)
   with ``--trainer.accelerator gpu --trainer.precision bf16-mixed`` on CUDA, seconds;
 - ``bulk``: `sat caption FOLDER -o FILE` over ``--bulk`` photos (the given ones, hard-linked
@@ -355,10 +355,10 @@ def training(device: str, quick: bool) -> dict[str, Any]:
             cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--device", device,
                    "--batch", str(batch), "--precision", precision]  # fmt: skip
             out[f"{precision}_batch{batch}"] = run_json(cmd + (sizes.split() if quick else []), 900)
-    if not quick:  # what the fused attention scores (fused_scores.py) give: without them
+    if not quick:  # what the step's Triton kernels (gpu_kernels.py) give: the step without them
         cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--device", device,
-               "--batch", "64", "--precision", "fp32", "--scores", "whole"]  # fmt: skip
-        out["fp32_batch64_scores_whole"] = run_json(cmd, 900)
+               "--batch", "64", "--precision", "fp32", "--step", "autograd"]  # fmt: skip
+        out["fp32_batch64_autograd"] = run_json(cmd, 900)
     return out
 
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from showattendtell import attention, fused_scores
+from showattendtell import attention, gpu_kernels
 from showattendtell.decoder import Decoder, DecoderConfig
 from showattendtell.graphed import GraphedLoss
 from showattendtell.losses import hard_attention_loss, soft_attention_loss
@@ -123,11 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the decoder's training recurrence (Decoder.forward's fixed_shape)",
     )
     p.add_argument(
-        "--scores",
-        choices=("auto", "whole"),
+        "--step",
+        choices=("auto", "autograd"),
         default="auto",
-        help="the attention scores as the device takes them (a CPU a few images at a time, "
-        "piecewise_scores.py; a GPU by Triton kernels, fused_scores.py) or whole, by autograd",
+        help="the decoder's step as the device takes it (a CPU's attention scores a few images "
+        "at a time, piecewise_scores.py; a GPU's Triton kernels, gpu_kernels.py) or by "
+        "autograd's operations alone",
     )
     p.add_argument(
         "--compile",
@@ -167,19 +168,19 @@ def train_step(
     return step
 
 
-def scores_taken(device: torch.device, asked: str) -> str:
-    """How the step computed its attention scores: "pieces", "fused" or "whole"."""
+def step_taken(device: torch.device, asked: str) -> str:
+    """How the decoder's step ran: "pieces" (a CPU's scores), "triton" or "autograd"."""
     probe = torch.empty(1, 1, 1, device=device)
     if asked == "auto" and attention._piecewise(probe):
         return "pieces"
-    return "fused" if asked == "auto" and fused_scores.applies(probe) else "whole"
+    return "triton" if asked == "auto" and gpu_kernels.applies(probe) else "autograd"
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
-    if args.scores == "whole":
-        attention.PIECEWISE_ON_CPU, fused_scores.FUSED_DEVICES = False, set()
+    if args.step == "autograd":
+        attention.PIECEWISE_ON_CPU, gpu_kernels.FUSED_DEVICES = False, set()
     torch.manual_seed(0)
     random.seed(0)
     L, D, B, V = args.grid**2, args.feature_dim, args.batch, args.vocab
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
         "vocab": V,
         "precision": args.precision,
         "strategy": "fixed" if args.compile or graphs else args.strategy,
-        "scores": scores_taken(device, args.scores),
+        "step": step_taken(device, args.step),
         "compiled": args.compile,
         "cuda_graphs": graphs,
         "tokens_per_step": n_tokens,

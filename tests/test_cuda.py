@@ -84,8 +84,8 @@ def test_graphed_training_step_gives_eager_loss_and_gradients(attention):
 
 @pytest.mark.parametrize("attend", ["before", "after"])
 def test_the_gpu_training_pass_gives_the_reference_equations(attend):
-    """The pass a GPU trains with (fixed shape, scores whole with tanh, the per-word weight
-    gradients deferred, the written-out LSTM cell) against the plain equations on the GPU;
+    """The pass a GPU trains with (fixed shape, the scores and the LSTM cell as Triton
+    kernels, the per-word weight gradients deferred) against the plain equations on the GPU;
     and under bf16 autocast, gradients in float32 close to float32's."""
     from helpers import make_batch, small_decoder
     from oracles.equations import reference_soft_loss
@@ -107,6 +107,21 @@ def test_the_gpu_training_pass_gives_the_reference_equations(attend):
     for name, got, w in zip(names, torch.autograd.grad(mixed, params), want, strict=True):
         assert got.dtype == torch.float32, name
         torch.testing.assert_close(got, w, rtol=0.1, atol=0.05, msg=name)
+
+
+def test_the_steps_triton_kernels_run_on_the_gpu():
+    """Triton imports and compiles here, forward and backward: without it the step runs
+    autograd's operations (the same values, slower) after one warning."""
+    import warnings
+
+    from showattendtell import gpu_kernels
+
+    x = torch.zeros(1, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gpu_kernels.applies(x)
+        with torch.no_grad():
+            assert gpu_kernels.applies(x)
 
 
 def test_sat_caption_records_its_graphs_beside_the_decoding_processes(tmp_path):

@@ -1,4 +1,5 @@
-"""The GPU's fused attention scores (fused_scores.py, score_kernels.py) against autograd.
+"""The decoder step's Triton kernels (triton_kernels.py): the attention scores
+(fused_scores.py) and the LSTM cell (lstm_cell.py), against autograd.
 
 Without a GPU the kernels run in Triton's interpreter, on CPU tensors: the same kernels, the
 same indexing and masks, executed with NumPy. tests/test_cuda.py runs them compiled on a GPU.
@@ -16,7 +17,7 @@ pytest.importorskip("triton", reason="the fused scores are Triton kernels: pip i
 
 from helpers import make_batch, small_decoder, trained_like_decoder  # noqa: E402
 
-from showattendtell import attention, fused_scores  # noqa: E402
+from showattendtell import attention, fused_scores, gpu_kernels  # noqa: E402
 from showattendtell.decoding import beam_search, greedy_decode  # noqa: E402
 from showattendtell.losses import hard_attention_loss, soft_attention_loss  # noqa: E402
 from showattendtell.piecewise_scores import whole_scores  # noqa: E402
@@ -26,15 +27,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture
 def fused(monkeypatch):
-    """The kernels for this device's scores (the interpreter's CPU ones without a GPU); the
-    plain scores by autograd where they are off (``attention.PIECEWISE_ON_CPU``)."""
-    monkeypatch.setattr(fused_scores, "FUSED_DEVICES", {DEVICE})
+    """The kernels for this device's step (the interpreter's, on a CPU, without a GPU); where
+    they are off, autograd's operations, as on a GPU without Triton (the scores whole, not a
+    CPU's piecewise_scores.py)."""
+    monkeypatch.setattr(gpu_kernels, "FUSED_DEVICES", {DEVICE})
     monkeypatch.setattr(attention, "PIECEWISE_ON_CPU", False)
     monkeypatch.setattr(attention, "SLOW_TANH", set())
 
 
 def plain(monkeypatch):
-    monkeypatch.setattr(fused_scores, "FUSED_DEVICES", set())
+    monkeypatch.setattr(gpu_kernels, "FUSED_DEVICES", set())
 
 
 def textbook(p, u, w, beams):
@@ -146,17 +148,17 @@ def test_searches_with_the_kernels_give_the_same_captions(fused, monkeypatch, st
                 assert abs(f.log_prob - s.log_prob) < 1e-4
 
 
-def test_where_the_kernels_do_not_run_autograd_scores_with_one_warning(fused, monkeypatch):
-    """Triton missing or failing to compile: one warning for the device, then the plain scores."""
+def test_where_the_kernels_do_not_run_autograd_steps_with_one_warning(fused, monkeypatch):
+    """Triton missing or failing to compile: one warning for the device, then the plain step."""
 
     def broken():
         raise ImportError("no module named 'triton'")
 
-    fused_scores._runs.cache_clear()
-    monkeypatch.setattr(fused_scores, "_WARNED", set())
-    monkeypatch.setattr(fused_scores, "kernels", broken)
+    gpu_kernels._runs.cache_clear()
+    monkeypatch.setattr(gpu_kernels, "_WARNED", set())
+    monkeypatch.setattr(gpu_kernels, "kernels", broken)
     p = torch.randn(2, 3, 4, device=DEVICE)
-    with pytest.warns(UserWarning, match="attention scores by autograd .* no module named"):
+    with pytest.warns(UserWarning, match="step by autograd on .* no module named"):
         assert not fused_scores.applies(p)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -167,4 +169,38 @@ def test_where_the_kernels_do_not_run_autograd_scores_with_one_warning(fused, mo
             alpha = att.weights(p, u)
     want = torch.softmax(textbook(p, u, att.score.weight.view(4), 1), dim=1)
     torch.testing.assert_close(alpha, want)
-    fused_scores._runs.cache_clear()
+    gpu_kernels._runs.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]
+)
+def test_the_cell_kernels_give_the_lstm_cells_values_and_gradients(fused, dtypes):
+    """h_t, c_t and the gradients of the gates and c_{t-1}, for more units than one program
+    takes (130 > 128); bf16 gates with a float32 c (autocast): h_t and c_t in the promoted
+    dtype, each gradient in its input's dtype, as lstm_cell.py's own backward pass gives."""
+    from showattendtell.lstm_cell import lstm_cell
+
+    B, H = 3, 130
+    gen = torch.Generator().manual_seed(5)
+    gates = (torch.randn(B, 4 * H, generator=gen) * 2).to(DEVICE, dtypes[0]).requires_grad_()
+    c = torch.randn(B, H, generator=gen).to(DEVICE, dtypes[1]).requires_grad_()
+    probe_h, probe_c = torch.randn(2, B, H, generator=gen).to(DEVICE)
+    h_t, c_t = lstm_cell(gates, c)
+    assert h_t.dtype == c_t.dtype == torch.promote_types(*dtypes)
+    got = torch.autograd.grad((h_t * probe_h).sum() + (c_t * probe_c).sum(), [gates, c])
+    with torch.no_grad():  # the search's: the forward kernel alone
+        torch.testing.assert_close(lstm_cell(gates, c), (h_t, c_t), rtol=0, atol=0)
+
+    g64, c64 = gates.detach().double().requires_grad_(), c.detach().double().requires_grad_()
+    ifo, g = g64.split([3 * H, H], dim=1)
+    i, f, o = torch.sigmoid(ifo).chunk(3, 1)
+    want_c = f * c64 + i * torch.tanh(g)
+    want_h = o * torch.tanh(want_c)
+    want = torch.autograd.grad((want_h * probe_h).sum() + (want_c * probe_c).sum(), [g64, c64])
+    torch.testing.assert_close(h_t.double(), want_h, rtol=0, atol=1e-6)
+    torch.testing.assert_close(c_t.double(), want_c, rtol=0, atol=1e-6)
+    for x, ref, dtype in zip(got, want, dtypes, strict=True):
+        assert x.dtype == dtype
+        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(x.double(), ref, rtol=tol, atol=tol)

@@ -1,4 +1,4 @@
-"""The additive attention scores on a GPU as three Triton kernels (score_kernels.py).
+"""The additive attention scores on a GPU as three Triton kernels (triton_kernels.py).
 
     e_ti = w^T tanh(W_a a_i + b + U_a h_{t-1})
 
@@ -12,26 +12,20 @@ makes the gradients of W_a a + b and w for all the words at once, from each word
 gradient of e, which are small (``FusedKeys``). torch.compile would fuse each word's operations
 too, but not gather the words' gradients, and it compiles for minutes.
 
-Used on CUDA devices where Triton runs (``applies``); a CPU takes piecewise_scores.py, and
-torch.compile the plain expression. The kernels are checked against autograd on a CPU by
-Triton's interpreter (tests/test_fused_scores.py), and on a GPU by tests/test_cuda.py.
+Used where gpu_kernels.applies (CUDA devices where Triton runs); a CPU takes
+piecewise_scores.py, and torch.compile the plain expression. The kernels are checked against
+autograd on a CPU by Triton's interpreter (tests/test_fused_scores.py), and so on a GPU.
 """
 
 from __future__ import annotations
-
-import functools
-import warnings
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from showattendtell import gpu_kernels
+from showattendtell.gpu_kernels import kernels
 from showattendtell.grad_anchor import Anchor
-
-FUSED_DEVICES = {"cuda"}  # device types whose scores take the kernels (tests add "cpu")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_WARNED: set[str] = set()  # devices where the kernels did not run, and a warning said so
 
 
 class FusedKeys:
@@ -98,15 +92,9 @@ class _Gathered:
 
 
 def applies(projected: torch.Tensor | FusedKeys) -> bool:
-    """Whether the scores of these keys take the kernels: FusedKeys, or a tensor on a device
-    in FUSED_DEVICES of a dtype they take, outside torch.compile, where Triton runs."""
-    if isinstance(projected, FusedKeys):
-        return True
-    if projected.device.type not in FUSED_DEVICES or projected.dtype not in DTYPES:
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    return _runs(projected.device, torch.is_grad_enabled())
+    """Whether the scores of these keys take the kernels: FusedKeys, or where
+    gpu_kernels.applies."""
+    return isinstance(projected, FusedKeys) or gpu_kernels.applies(projected)
 
 
 def scores(projected: torch.Tensor | FusedKeys, u: torch.Tensor, w: torch.Tensor, beams: int):
@@ -142,36 +130,3 @@ class _Scores(torch.autograd.Function):
         if keys.anchor is not None:
             keys.gathered.add(u, grad_e, ctx.beams)
         return None, grad_u, None, None
-
-
-def kernels() -> ModuleType:
-    """score_kernels, imported on first use: importing Triton takes a while."""
-    from showattendtell import score_kernels
-
-    return score_kernels
-
-
-@functools.cache
-def _runs(device: torch.device, backward: bool) -> bool:
-    """Whether the kernels run on this device: Triton imports and compiles (once a process;
-    the backward kernels only when a gradient is wanted, since each compiles for a while the
-    first time). Otherwise one warning a device, and autograd computes the scores."""
-    try:
-        with torch.enable_grad():
-            p = torch.randn(2, 3, 5, device=device, requires_grad=backward)
-            u = torch.randn(2, 5, device=device, requires_grad=backward)
-            w = torch.randn(5, device=device, requires_grad=backward)
-            e = scores(FusedKeys(p, w) if backward else p, u, w, 1)
-            if backward:
-                e.sum().backward()
-        return True
-    except Exception as error:  # Triton missing, no compiler, an unsupported GPU: all alike
-        if str(device) in _WARNED:
-            return False
-        _WARNED.add(str(device))
-        warnings.warn(
-            f"attention scores by autograd on {device}: the fused kernels do not run there "
-            f"({type(error).__name__}: {error})",
-            stacklevel=2,
-        )
-        return False

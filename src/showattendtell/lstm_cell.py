@@ -8,7 +8,8 @@ written into its place in one (B, 4H) tensor: 16 operations a word forward and b
 autograd takes 19 (counted as tests/test_decoder.py counts a word's). On a GPU each is a kernel
 launch per word, what a training step of small tensors waits on; on a CPU the two are as fast.
 (``torch._thnn_fused_lstm_cell`` would be one kernel each way, but it runs on CUDA only and
-takes the gates in another order, i f g o.)
+takes the gates in another order, i f g o.) On a GPU where Triton runs (gpu_kernels.py) the
+cell is one kernel forward and one backward (triton_kernels.py), in training and in search.
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from showattendtell import gpu_kernels
+from showattendtell.gpu_kernels import kernels
+
 
 def lstm_cell(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """h_t, c_t (B, H) from the gates' pre-activations (B, 4H), in the order i f o g, and
     c_{t-1} (B, H). The three sigmoid gates lie side by side: one sigmoid covers them."""
     trained = torch.is_grad_enabled() and (gates.requires_grad or c.requires_grad)
+    if gpu_kernels.applies(gates):
+        gates, c = gates.contiguous(), c.contiguous()
+        return _FusedCell.apply(gates, c) if trained else kernels().cell_forward(gates, c)
     if trained and not torch.compiler.is_compiling():  # torch.compile fuses the plain lines
         return _Cell.apply(gates, c)
     H = c.size(1)
@@ -60,3 +67,19 @@ class _Cell(torch.autograd.Function):
         d_ifo = grad[:, : 3 * H]
         torch.ops.aten.sigmoid_backward.grad_input(d_ifo, act[:, : 3 * H], grad_input=d_ifo)
         return grad, d_c * f
+
+
+class _FusedCell(torch.autograd.Function):
+    """The cell as two Triton kernels; the backward one recomputes the activations from the
+    pre-activations, which are what it saves."""
+
+    @staticmethod
+    def forward(ctx, gates: torch.Tensor, c: torch.Tensor):
+        ctx.save_for_backward(gates, c)
+        return kernels().cell_forward(gates, c)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_h, grad_c):  # (B, H) each
+        gates, c = ctx.saved_tensors
+        return kernels().cell_backward(gates, c, grad_h.contiguous(), grad_c.contiguous())

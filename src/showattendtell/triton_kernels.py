@@ -1,18 +1,22 @@
-"""Triton kernels of the additive attention scores (fused_scores.py says why and when).
+"""Triton kernels of the decoder's step on a GPU: the additive attention scores
+(fused_scores.py) and the LSTM cell (lstm_cell.py). gpu_kernels.py says when they run.
 
     e_ti = w^T tanh(x_ti),   x_ti = p_i + u_t,   p = W_a a + b (G, L, A),   u_t = U_a h_{t-1}
 
-Each kernel reads p once and keeps x, tanh(x) and their gradients in registers: by autograd
-the same work is 14 passes over a (G, L, A) tensor per word. tanh(x) is taken as
-2 sigmoid(2x) - 1 and its derivative as 4 s (1 - s), s = sigmoid(2x): Triton's language has
-a sigmoid on every version the project supports, and 4 s (1 - s) keeps its precision where
-tanh(x) is near +-1.
+Each score kernel reads p once and keeps x, tanh(x) and their gradients in registers: by
+autograd the same work is 14 passes over a (G, L, A) tensor per word. The cell's kernels do a
+word's 6 operations forward and 10 backward in one launch each, recomputing the gates'
+activations backward rather than storing them.
+
+tanh(x) is taken as 2 sigmoid(2x) - 1 and its derivative as 4 s (1 - s), s = sigmoid(2x):
+Triton's language has a sigmoid on every version the project supports, and 4 s (1 - s) keeps
+its precision where tanh(x) is near +-1.
 
 Rows of u come in groups of ``K`` per image (beams): row n = g K + k reads image g's keys.
 The kernels take any row stride for u (U_a h is a column slice of a wider matmul's output);
 the other tensors are contiguous. Sums are in float32 whatever the inputs' dtype.
 
-Importing this module imports Triton: fused_scores.py imports it on first use only, so that
+Importing this module imports Triton: gpu_kernels.py imports it on first use only, so that
 captioning on a CPU never pays for it.
 """
 
@@ -24,6 +28,7 @@ import triton.language as tl
 
 BLOCK_L = 32  # grid locations per tile
 BLOCK_A = 128  # attention channels per tile
+BLOCK_H = 128  # LSTM units per program
 WARPS = 4
 
 
@@ -144,3 +149,71 @@ def keys_grad(
         p, us, grad_es, w, gp, gw, L, A, N // G, N, T, BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS
     )
     return gp, gw.sum(0)
+
+
+@triton.jit
+def _cell_forward_kernel(gates_ptr, c_ptr, h_out, c_out, H, BH: tl.constexpr):
+    """One row's BH units: gates (B, 4H) in the order i f o g, c (B, H). Grid (cdiv(H, BH), B)."""
+    hb, b = tl.program_id(0), tl.program_id(1)
+    j = hb * BH + tl.arange(0, BH)
+    m = j < H
+    row = gates_ptr + b * 4 * H + j
+    i = tl.sigmoid(tl.load(row, mask=m, other=0.0).to(tl.float32))
+    f = tl.sigmoid(tl.load(row + H, mask=m, other=0.0).to(tl.float32))
+    o = tl.sigmoid(tl.load(row + 2 * H, mask=m, other=0.0).to(tl.float32))
+    g, _ = _tanh_parts(tl.load(row + 3 * H, mask=m, other=0.0).to(tl.float32))
+    c = tl.load(c_ptr + b * H + j, mask=m, other=0.0).to(tl.float32)
+    c_t = f * c + i * g
+    tanh_c, _ = _tanh_parts(c_t)
+    tl.store(c_out + b * H + j, c_t.to(c_out.dtype.element_ty), mask=m)
+    tl.store(h_out + b * H + j, (o * tanh_c).to(h_out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _cell_backward_kernel(
+    gates_ptr, c_ptr, gh_ptr, gc_ptr, g_gates, g_c, H, BH: tl.constexpr
+):  # fmt: skip
+    """d loss / d gates (B, 4H) and d loss / d c_{t-1} (B, H) from those of h_t and c_t."""
+    hb, b = tl.program_id(0), tl.program_id(1)
+    j = hb * BH + tl.arange(0, BH)
+    m = j < H
+    row = gates_ptr + b * 4 * H + j
+    i = tl.sigmoid(tl.load(row, mask=m, other=0.0).to(tl.float32))
+    f = tl.sigmoid(tl.load(row + H, mask=m, other=0.0).to(tl.float32))
+    o = tl.sigmoid(tl.load(row + 2 * H, mask=m, other=0.0).to(tl.float32))
+    g, dg = _tanh_parts(tl.load(row + 3 * H, mask=m, other=0.0).to(tl.float32))
+    c = tl.load(c_ptr + b * H + j, mask=m, other=0.0).to(tl.float32)
+    tanh_c, dtanh_c = _tanh_parts(f * c + i * g)
+    grad_h = tl.load(gh_ptr + b * H + j, mask=m, other=0.0).to(tl.float32)
+    grad_c = tl.load(gc_ptr + b * H + j, mask=m, other=0.0).to(tl.float32)
+    d_c = grad_h * o * dtanh_c + grad_c  # d loss / d c_t
+    out = g_gates + b * 4 * H + j
+    ty = g_gates.dtype.element_ty
+    tl.store(out, (d_c * g * i * (1.0 - i)).to(ty), mask=m)
+    tl.store(out + H, (d_c * c * f * (1.0 - f)).to(ty), mask=m)
+    tl.store(out + 2 * H, (grad_h * tanh_c * o * (1.0 - o)).to(ty), mask=m)
+    tl.store(out + 3 * H, (d_c * i * dg).to(ty), mask=m)
+    tl.store(g_c + b * H + j, (d_c * f).to(g_c.dtype.element_ty), mask=m)
+
+
+def cell_forward(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h_t, c_t (B, H), in the promoted dtype of gates (B, 4H) and c (B, H), both contiguous."""
+    B, H = c.shape
+    dtype = torch.promote_types(gates.dtype, c.dtype)
+    h_t, c_t = (torch.empty(B, H, device=c.device, dtype=dtype) for _ in range(2))
+    grid = (triton.cdiv(H, BLOCK_H), B)
+    _cell_forward_kernel[grid](gates, c, h_t, c_t, H, BH=BLOCK_H, num_warps=WARPS)
+    return h_t, c_t
+
+
+def cell_backward(
+    gates: torch.Tensor, c: torch.Tensor, grad_h: torch.Tensor, grad_c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of gates (in its dtype) and c_{t-1} (in its dtype); all contiguous."""
+    B, H = c.shape
+    g_gates, g_c = torch.empty_like(gates), torch.empty_like(c)
+    grid = (triton.cdiv(H, BLOCK_H), B)
+    _cell_backward_kernel[grid](
+        gates, c, grad_h, grad_c, g_gates, g_c, H, BH=BLOCK_H, num_warps=WARPS
+    )
+    return g_gates, g_c
