@@ -1,9 +1,17 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter (tests/test_fused_scores.py). It
+# must be chosen before anything imports Triton (timm and Lightning do): a kernel defined after
+# a plain import cannot call its helper functions in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

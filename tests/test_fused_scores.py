@@ -5,14 +5,12 @@ Without a GPU the kernels run in Triton's interpreter, on CPU tensors: the same 
 same indexing and masks, executed with NumPy. tests/test_cuda.py runs them compiled on a GPU.
 """
 
-import os
 import warnings
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before the kernels are defined: they read it then
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# without a GPU, conftest.py has chosen Triton's interpreter
 pytest.importorskip("triton", reason="the fused scores are Triton kernels: pip install triton")
 
 from helpers import make_batch, small_decoder, trained_like_decoder  # noqa: E402
