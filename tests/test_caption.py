@@ -543,3 +543,26 @@ def test_a_few_photos_are_captioned_on_the_cpu_of_a_gpu_machine(
     assert ("on the CPU" in said) == (expected == "cpu" and device == "auto")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert caption._device(args, photos, Processes(1, 1, "cpu")) == device
+
+
+@pytest.mark.parametrize("argv", [["-dash.jpg"], ["x.jpg", "-dash.jpg"], ["x.jpg", "-rose.jpg"]])
+def test_a_photo_whose_name_starts_with_a_dash(
+    argv, tiny_model_file, tmp_path, monkeypatch, capsys
+):
+    """argparse takes `-dash.jpg` for an unknown option (and `-rose.jpg` for -r -o se.jpg): the
+    error says what to type instead, and both ways it says work."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("x.jpg", "-dash.jpg", "-rose.jpg"):
+        shutil.copy(photos(1)[0], tmp_path / name)
+    with pytest.raises(SystemExit) as stop:
+        main(["caption", *argv, *quick_run(tiny_model_file)])
+    assert stop.value.code == 2
+    name = argv[-1]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"sat caption: error: {name} is read as an option; for a file whose name starts with -, "
+        f"write ./{name}, or put -- before it (after the options): sat caption -- {name}"
+    )
+    for paths in (["--", name], [f"./{name}"]):
+        assert main(["caption", *quick_run(tiny_model_file), *paths]) == 0
+        [record] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert record["path"] == name and record["caption"]  # as found: Path drops "./"

@@ -3,6 +3,7 @@ only thing a resume may remove is one partial last record."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from collections import Counter
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers.photos import write_photos
 
-from showattendtell.caption_output import OutputError, scan_output
+from showattendtell.caption_output import OutputError, check_made_by, output_format, scan_output
 from showattendtell.cli import main
 
 
@@ -263,20 +264,19 @@ def test_an_existing_output_is_refused_without_resume_or_overwrite(
 def test_an_output_that_is_one_of_the_photos_is_refused_even_with_overwrite(
     spelling, images, tiny_model_file, tmp_path, monkeypatch, capsys
 ):
-    """`-o photo.jpg --overwrite` would empty the photo before reading it."""
+    """`-o photo.jpg --overwrite` would empty the photo before reading it. (Without --format,
+    its suffix is refused first.)"""
     (tmp_path / "sub").mkdir()
     (tmp_path / "link.png").symlink_to(tmp_path / "img1.png")
     photo = (tmp_path / "img1.png").read_bytes()
     for inputs in (images, ["."]):  # the photo given, or found in a folder
-        code = caption(
-            tmp_path, monkeypatch, tiny_model_file, *inputs, "-o", spelling, "--overwrite"
-        )
-        assert code == 2
-        err = capsys.readouterr().err.strip()
-        assert (
-            err.startswith(f"error: --output {spelling} is one of the photos") and "\n" not in err
-        )
-        assert (tmp_path / "img1.png").read_bytes() == photo
+        for fmt, message in (([], "the format is taken from"), (["--format", "csv"], "is one of")):
+            args = (*inputs, "-o", spelling, *fmt, "--overwrite")
+            assert caption(tmp_path, monkeypatch, tiny_model_file, *args) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(f"error: --output {spelling}") and "\n" not in err
+            assert message in err
+            assert (tmp_path / "img1.png").read_bytes() == photo
 
 
 def test_overlay_sheets_replace_no_photo_and_no_file_without_overwrite(
@@ -372,3 +372,123 @@ def test_resume_tells_apart_two_names_that_print_alike(
     )
     assert caption(tmp_path, monkeypatch, tiny_model_file, *args) == 0  # nothing left to do
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
+
+
+MADE_BY = {  # the tests' tiny model at --beam-size 1: its stored settings for the rest
+    "model": "tiny",
+    "decoding": {"beam_size": 1, "max_length": 8, "length_penalty": 0.0, "no_repeat_ngram": 0},
+}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_resume_adds_no_captions_of_another_model_or_other_options(
+    fmt, images, tiny_model_file, tiny_hard_model_file, tmp_path, monkeypatch, capsys
+):
+    """Every caption record says what made it, and --resume refuses to mix: one line, exit 2,
+    the file left as it was. Options are compared as used, so the same ones spelt otherwise
+    (a stored value given, --hard-mode for a soft model, which ignores it) continue it."""
+    name = f"out.{fmt}"
+    out = tmp_path / name
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images[:2], "-o", name) == 0
+    assert scan_output(out, fmt, False).made_by == [MADE_BY]
+    before = out.read_bytes()
+    capsys.readouterr()
+    soft = ("--model", str(tiny_model_file))
+    for args, theirs, ours in (
+        (
+            ("--model", str(tiny_hard_model_file), "--beam-size", "1"),
+            "model tiny",
+            "model tiny_hard",
+        ),
+        ((*soft, "--beam-size", "2"), "model tiny, --beam-size 1", "model tiny, --beam-size 2"),
+        (soft, "model tiny, --beam-size 1", "model tiny, --beam-size 3"),  # the stored beam
+    ):
+        rc = main(["caption", *images, "-o", name, "--resume", "--workers", "0", *args])
+        assert rc == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"error: --resume: {name} holds captions made with {theirs}; this run would add "
+            f"captions made with {ours}: give the same --model and decoding options to continue "
+            "it, or write a new file (another --output, or --overwrite instead of --resume)"
+        )
+        assert out.read_bytes() == before
+    same = (*soft, "--beam-size", "1", "--max-length", "8", "--hard-mode", "sample")
+    assert main(["caption", *images, "-o", name, "--resume", "--workers", "0", *same]) == 0
+    assert out.read_bytes().startswith(before)
+    point = scan_output(out, fmt, False)
+    assert point.made_by == [MADE_BY] and point.unmarked == 0 and sum(point.done.values()) == 3
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_resume_continues_a_file_that_does_not_say_what_made_it(
+    fmt, images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
+    """A file written before records said what made them: one warning, then on as before."""
+    name = f"old.{fmt}"
+    out = tmp_path / name
+    if fmt == "jsonl":
+        old = (
+            b'{"path": "img0.png", "caption": "a red circle", "score": -1.0, "log_prob": -1.0, '
+            b'"words": ["a", "red", "circle"], "familiarity": null}\n'
+        )
+    else:
+        old = b"path,caption,score,log_prob,error,warning,familiarity\nimg0.png,a circle,-1,-1,,,\n"
+    out.write_bytes(old)
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", name, "--resume") == 0
+    err = capsys.readouterr().err
+    warning = (
+        f"warning: --resume: {name} was written by an older `sat caption`: 1 caption in it "
+        "does not say which model and decoding options made it; continuing it, so make sure "
+        "they were this run's\n"
+    )
+    assert err.count("warning:") == 1 and warning in err
+    data = out.read_bytes()
+    new = data[len(old) :].decode().splitlines()
+    assert data.startswith(old) and len(new) == 2
+    if fmt == "jsonl":  # the new records say it
+        assert [{k: json.loads(x)[k] for k in MADE_BY} for x in new] == [MADE_BY] * 2
+    else:  # the file's own layout is kept
+        assert [len(row) for row in csv.reader(new)] == [7, 7]
+
+
+def test_resume_compares_the_decoding_options_both_name():
+    ours = {"model": "m", "decoding": {"beam_size": 3, "added_later": 1}}
+    older = {"model": "m", "decoding": {"beam_size": 3}}  # from before "added_later"
+    check_made_by(Path("o.jsonl"), [older], ours)
+    mixed = [older, {"model": "m", "decoding": {"beam_size": 1}}]  # e.g. two files joined
+    with pytest.raises(OutputError, match="made with model m, --beam-size 1; this run"):
+        check_made_by(Path("o.jsonl"), mixed, ours)
+
+
+@pytest.mark.parametrize(
+    "name, given, message",
+    [
+        ("x.csv.gz", [], "`sat caption` writes no compressed files; write x.csv and compress it"),
+        ("x.csv.gz", ["--format", "csv"], "writes no compressed files; write x.csv and"),
+        ("x.jsonl.bz2", [], "writes no compressed files; write x.jsonl and"),
+        (
+            "x.txt",
+            [],
+            "the format is taken from the suffix, .jsonl or .csv, not .txt; rename it, or give "
+            "--format jsonl or --format csv",
+        ),
+        ("x.JSON", [], "not .json;"),
+    ],
+)
+def test_an_output_suffix_that_names_no_format_is_refused(
+    name, given, message, images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
+    """`-o x.csv.gz` wrote an uncompressed JSON Lines file."""
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", name, *given) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --output {name}: ") and message in err and "\n" not in err
+    assert not (tmp_path / name).exists()
+
+
+def test_the_output_format_follows_the_suffix_or_format():
+    assert output_format("x.CSV", None) == "csv" and output_format("a.b.jsonl", None) == "jsonl"
+    assert output_format("x.txt", "csv") == "csv"  # --format names it: any name
+    assert output_format("captions", None) == output_format("/dev/null", None) == "jsonl"
+    assert output_format(None, None) == "jsonl"  # standard output
+    with pytest.raises(OutputError, match="--format must be one of jsonl, csv, not 'xml'"):
+        output_format("x.jsonl", "xml")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -130,3 +131,37 @@ def test_odd_inputs_to_caption_images_are_the_projects_one_line_errors(tiny_mode
             caption_images(captioner, [item])
     with pytest.raises(DeviceError, match="'gpu' is not a device: give auto, cpu, cuda or cuda:N"):
         load_model(tiny_model_file, "gpu")
+
+
+def test_caption_images_warns_of_a_decoding_option_the_model_ignores(
+    tiny_model_file, tiny_hard_model_file
+):
+    """As the CLI warns for --hard-mode with a soft model (Captioner.applies): once per call."""
+    images = [make_example(np.random.default_rng(i))[0] for i in range(2)]
+    soft = load_model(tiny_model_file, "cpu")
+    with pytest.warns(UserWarning) as caught:
+        caption_images(soft, images, beam_size=1, hard_mode="sample")
+    assert [str(w.message) for w in caught if "hard" in str(w.message)] == [
+        "hard_mode is for hard-attention models; tiny has soft attention and ignores it"
+    ]
+    hard = load_model(tiny_hard_model_file, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        caption_images(hard, images, beam_size=1, hard_mode="sample")
+        caption_images(soft, images, beam_size=1)
+
+
+def test_made_by_names_the_model_and_the_decoding_options_that_apply(
+    tiny_model_file, tiny_hard_model_file
+):
+    """What `sat caption` writes into each record: the stored settings with the overrides,
+    only those that change this model's captions."""
+    stored = {"beam_size": 3, "max_length": 8, "length_penalty": 0.0, "no_repeat_ngram": 0}
+    soft = load_model(tiny_model_file, "cpu")
+    assert soft.made_by() == {"model": "tiny", "decoding": stored}
+    assert soft.made_by(beam_size=1, hard_mode="sample")["decoding"] == {**stored, "beam_size": 1}
+    hard = load_model(tiny_hard_model_file, "cpu")
+    assert hard.made_by(hard_mode="sample") == {
+        "model": "tiny_hard",
+        "decoding": {**stored, "hard_mode": "sample"},
+    }

@@ -25,15 +25,29 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from showattendtell.errors import UsageError
+from showattendtell.settings import DECODING_OPTIONS
 
 if TYPE_CHECKING:
     from showattendtell.pipeline import Record
 
 FORMATS = ("jsonl", "csv")
-CSV_FIELDS = ("path", "caption", "score", "log_prob", "error", "warning", "familiarity")
+SUFFIXES = {".jsonl": "jsonl", ".csv": "csv"}  # the format of an --output without --format
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip")  # names that promise what is not written
+MADE_BY_FIELDS = ("model", "decoding")  # what made a caption: Captioner.made_by
+CSV_FIELDS = (
+    "path",
+    "caption",
+    "score",
+    "log_prob",
+    "error",
+    "warning",
+    "familiarity",
+    *MADE_BY_FIELDS,
+)
 ATTENTION_FIELDS = ("attention", "locations")
 _CSV_BEFORE_WARNINGS = CSV_FIELDS[:5]  # files written before the warning column; still resumable
 _CSV_BEFORE_FAMILIARITY = CSV_FIELDS[:6]  # and before the familiarity column (familiarity.py)
+_CSV_BEFORE_MADE_BY = CSV_FIELDS[:7]  # and before the model and decoding columns
 JSONL_RECORD_START = '{"path": '  # how every JSON line we write begins
 
 
@@ -59,11 +73,16 @@ def printable_path(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def record_dict(rec: Record, with_attention: bool) -> dict:
+def record_dict(rec: Record, with_attention: bool, made_by: dict | None = None) -> dict:
+    """One record as JSON: a caption's fields, then what made it (``made_by``: the model's name
+    and its decoding options, so that --resume can refuse to add another model's captions),
+    then the attention grids; an error record is its path and error only."""
     if rec.result is None:
         error = rec.error if rec.error is None else printable_path(rec.error)
         return {"path": printable_path(rec.path), "error": error}
-    d = {"path": printable_path(rec.path), **rec.result.to_dict(with_attention)}
+    result = rec.result.to_dict(with_attention)
+    grids = {k: result.pop(k) for k in ATTENTION_FIELDS if k in result}
+    d = {"path": printable_path(rec.path), **result, **(made_by or {}), **grids}
     if d.get("warning"):
         d["warning"] = printable_path(d["warning"])
     return d
@@ -73,12 +92,38 @@ def csv_fields(with_attention: bool) -> tuple[str, ...]:
     return CSV_FIELDS + (ATTENTION_FIELDS if with_attention else ())
 
 
+def output_format(name: str | None, given: str | None) -> str:
+    """The format to write: ``given`` (--format), else the one --output's suffix names, JSON
+    Lines for standard output and names without a suffix (/dev/null). Any other suffix is
+    refused rather than guessed: ``x.csv.gz`` or ``x.txt`` would get JSON Lines. So is a
+    compressed name with any format, for a file that is not compressed."""
+    suffix = Path(name).suffix.lower() if name else ""
+    if suffix in COMPRESSED:
+        plain = name[: -len(suffix)]
+        raise OutputError(
+            f"--output {name}: `sat caption` writes no compressed files; write {plain} "
+            "and compress it once the run is done"
+        )
+    fmt = given or SUFFIXES.get(suffix, "jsonl" if not suffix else None)
+    if fmt is None:
+        names = " or ".join(SUFFIXES)
+        formats = " or ".join(f"--format {f}" for f in FORMATS)
+        raise OutputError(
+            f"--output {name}: the format is taken from the suffix, {names}, not {suffix}; "
+            f"rename it, or give {formats}"
+        )
+    if fmt not in FORMATS:
+        raise OutputError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    return fmt
+
+
 class Writer:
     """Writes complete records, each with a single write followed by a flush.
 
     A kill between writes leaves whole records only; a record is never split over two writes
     (short writes of a regular file are retried until the record is out). CSV rows follow
-    ``fields`` (a resumed file keeps its own header's layout).
+    ``fields`` (a resumed file keeps its own header's layout). ``made_by``
+    (``Captioner.made_by``) goes into every caption record.
     """
 
     def __init__(
@@ -87,9 +132,11 @@ class Writer:
         with_attention: bool,
         stream: IO[bytes] | None = None,
         fields: tuple[str, ...] | None = None,
+        made_by: dict | None = None,
     ):
         self.fmt, self.with_attention, self.stream = fmt, with_attention, stream
         self.fields = fields or csv_fields(with_attention)
+        self.made_by = made_by
 
     def write(self, rec: Record) -> None:
         self.write_line(self.line(rec))
@@ -97,7 +144,7 @@ class Writer:
     def line(self, rec: Record) -> str:
         """The record as it goes into the file (one JSON line or one CSV row, newline included);
         several captioning processes format their own and one writes them all."""
-        d = record_dict(rec, self.with_attention)
+        d = record_dict(rec, self.with_attention, self.made_by)
         if self.fmt == "jsonl":
             return json.dumps(d, ensure_ascii=False, allow_nan=False) + "\n"
         return _csv_line([_csv_cell(d.get(f)) for f in self.fields])
@@ -145,6 +192,19 @@ class ResumePoint:
     done: Counter[str] = field(default_factory=Counter)
     keep_bytes: int = 0  # the file is cut to this length before appending (drops a partial tail)
     fields: tuple[str, ...] | None = None  # the CSV header's columns (None: no header yet)
+    # what made its captions (Captioner.made_by), each once; and how many captions say nothing
+    # of it (written before records carried it)
+    made_by: list[dict] = field(default_factory=list)
+    unmarked: int = 0
+
+    def saw(self, model: object, decoding: object) -> None:
+        """One caption record's ``model`` and ``decoding`` fields (None or "": not there)."""
+        if not isinstance(model, str) or not model:
+            self.unmarked += 1
+            return
+        made_by = {"model": model, "decoding": decoding if isinstance(decoding, dict) else {}}
+        if made_by not in self.made_by:
+            self.made_by.append(made_by)
 
 
 def scan_output(path: Path, fmt: str, with_attention: bool) -> ResumePoint:
@@ -184,6 +244,8 @@ def _scan_jsonl(path: Path, text: str, with_attention: bool) -> ResumePoint:
         _check_attention(
             path, "caption" in rec and ("attention" in rec) != with_attention, with_attention
         )
+        if "caption" in rec:
+            point.saw(rec.get("model"), rec.get("decoding"))
         point.done[rec["path"]] += 1
     ours = tail.startswith(JSONL_RECORD_START) or JSONL_RECORD_START.startswith(tail)
     if not ours:  # a last line without a newline that is not the start of one of our records
@@ -237,7 +299,7 @@ def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
     layouts = [csv_fields(a) for a in (False, True)]
     layouts += [
         old + extra
-        for old in (_CSV_BEFORE_WARNINGS, _CSV_BEFORE_FAMILIARITY)
+        for old in (_CSV_BEFORE_WARNINGS, _CSV_BEFORE_FAMILIARITY, _CSV_BEFORE_MADE_BY)
         for extra in ((), ATTENTION_FIELDS)
     ]
     header = "\n".join(",".join(f) for f in layouts)
@@ -260,9 +322,22 @@ def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
                 path, "csv", f"record {n} has {len(row)} columns, the header {len(point.fields)}"
             )
         else:
+            _saw_csv_row(point, dict(zip(point.fields, row, strict=True)))
             point.done[row[0]] += 1
         point.keep_bytes = end
     return point
+
+
+def _saw_csv_row(point: ResumePoint, row: dict[str, str]) -> None:
+    """A CSV row's part in ``point.made_by``: a caption (no error) with its model and decoding
+    cells, empty in a file written before those columns."""
+    if row["error"]:
+        return
+    try:
+        decoding = json.loads(row.get("decoding") or "{}")
+    except ValueError:
+        decoding = None
+    point.saw(row.get("model"), decoding)
 
 
 def _check_attention(path: Path, mismatch: bool, with_attention: bool) -> None:
@@ -273,6 +348,48 @@ def _check_attention(path: Path, mismatch: bool, with_attention: bool) -> None:
             else "was written with --with-attention: add that option"
         )
         raise OutputError(f"--resume: {path} {hint} to continue it (or write a new file)")
+
+
+def check_made_by(path: Path, found: list[dict], ours: dict) -> None:
+    """Refuse (OutputError, exit 2) to add this run's captions, made as ``ours`` says
+    (``Captioner.made_by``), to a file holding captions another model or other decoding
+    options made (``found``: ``ResumePoint.made_by``): the file would mix them without a
+    word. Decoding options are compared where both name them (an option added by a later
+    version is missing from older records)."""
+    for theirs in found:
+        keys = [k for k in theirs["decoding"] if k in ours["decoding"]]
+        differ = [k for k in keys if theirs["decoding"][k] != ours["decoding"][k]]
+        if theirs["model"] == ours["model"] and not differ:
+            continue
+        raise OutputError(
+            f"--resume: {path} holds captions made with {_made_with(theirs, differ)}; this "
+            f"run would add captions made with {_made_with(ours, differ)}: give the same "
+            "--model and decoding options to continue it, or write a new file (another "
+            "--output, or --overwrite instead of --resume)"
+        )
+
+
+def _made_with(made_by: dict, options: list[str]) -> str:
+    """'model tiny, --beam-size 1': the model and the given decoding options, as flags."""
+    parts = [f"model {made_by['model']}"]
+    for name in options:
+        value = made_by["decoding"][name]
+        flag = DECODING_OPTIONS[name].flag if name in DECODING_OPTIONS else name
+        parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return ", ".join(parts)
+
+
+def unmarked_warning(path: Path, point: ResumePoint) -> str | None:
+    """The warning for a file with captions that do not say what made them (written before
+    records carried it): only the user can tell whether they are this run's."""
+    n = point.unmarked
+    if not n:
+        return None
+    some, them = ("1 caption in it does", "it") if n == 1 else (f"{n:,} captions in it do", "them")
+    return (
+        f"--resume: {path} was written by an older `sat caption`: {some} not say which model "
+        f"and decoding options made {them}; continuing it, so make sure they were this run's"
+    )
 
 
 def _preview(s: str, n: int = 30) -> str:

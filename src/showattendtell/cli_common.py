@@ -95,17 +95,24 @@ def decoding_overrides(args: argparse.Namespace) -> dict:
     return given
 
 
+def ignored_decoding(decoding: dict, captioner, api: bool = False) -> list[str]:
+    """One sentence for each decoding option given (not None) for a model that ignores it
+    (--hard-mode for a soft-attention model: ``Captioner.applies``), naming the option as the
+    CLI (--hard-mode) or, with ``api``, the Python API (hard_mode) does. A reranking a model
+    cannot do is refused instead (``Captioner.check_decoding``)."""
+    return [
+        f"{opt.name if api else opt.flag} is for hard-attention models; {captioner.name} has "
+        "soft attention and ignores it"
+        for opt in DECODING_OPTIONS.values()
+        if decoding.get(opt.name) is not None and opt.needs == "hard" and not captioner.applies(opt)
+    ]
+
+
 def warn_ignored_decoding(decoding: dict, captioner) -> None:
-    """One warning line for a decoding option given for a model that ignores it (--hard-mode
-    for a soft-attention model: ``Captioner.applies``), rather than silence."""
-    for opt in DECODING_OPTIONS.values():
-        given = decoding.get(opt.name) is not None
-        if given and opt.needs == "hard" and not captioner.applies(opt):
-            print(
-                f"warning: {opt.flag} is for hard-attention models; {captioner.name} has soft "
-                "attention and ignores it",
-                file=sys.stderr,
-            )
+    """One warning line for each decoding option the model ignores (``ignored_decoding``),
+    rather than silence."""
+    for message in ignored_decoding(decoding, captioner):
+        print(f"warning: {message}", file=sys.stderr)
 
 
 _gc_paused = False

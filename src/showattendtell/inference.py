@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,13 +15,14 @@ from PIL import Image
 
 from showattendtell import familiarity
 from showattendtell.catalog import resolve_models
-from showattendtell.cli_common import DEVICES, is_device_name
+from showattendtell.cli_common import DEVICES, ignored_decoding, is_device_name
 from showattendtell.consensus import ConsensusIndex
 from showattendtell.decoding import DecodingConfig, DecodingOption
 from showattendtell.errors import UsageError
 from showattendtell.images import image_warning, open_image, preprocess
 from showattendtell.model import CaptionModel
 from showattendtell.model_file import read_model
+from showattendtell.settings import DECODING_OPTIONS
 
 
 @dataclass
@@ -132,6 +134,15 @@ class Captioner:
         if opt.needs == "consensus":
             return self.model.consensus is not None
         return True
+
+    def made_by(self, **decoding) -> dict:
+        """What makes this model's captions with these decoding overrides: its name and the
+        decoding options that change its captions (``applies``), as used (the stored settings
+        with the overrides). `sat caption` writes it into every record, and ``--resume``
+        compares it with the file's, so that one file never mixes two models' captions."""
+        cfg = self.check_decoding(**decoding)
+        used = {k: v for k, v in cfg.to_dict().items() if self.applies(DECODING_OPTIONS[k])}
+        return {"model": self.name, "decoding": used}
 
     @property
     def input_size(self) -> int:
@@ -256,5 +267,9 @@ def load_model(
 
 
 def caption_images(captioner: Captioner, images: list, **decoding) -> list[CaptionResult]:
-    """Caption a list of images (paths, bytes or PIL images) with a loaded model."""
+    """Caption a list of images (paths, bytes or PIL images) with a loaded model. A decoding
+    option this model ignores (``hard_mode`` for soft attention) is a UserWarning, once per
+    call, as the CLI warns for its flag."""
+    for message in ignored_decoding(decoding, captioner, api=True):
+        warnings.warn(message, UserWarning, stacklevel=2)
     return captioner.caption(images, **decoding)

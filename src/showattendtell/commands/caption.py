@@ -19,21 +19,23 @@ import signal
 import sys
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from showattendtell.caption_output import (
-    FORMATS,
     OutputLock,
     ResumePoint,
     Writer,
+    check_made_by,
     check_new_output,
     open_output,
+    output_format,
     prepare_folder,
     printable_path,
     scan_output,
+    unmarked_warning,
 )
 from showattendtell.cli_common import (
     add_decoding_args,
@@ -81,6 +83,44 @@ def add_parser(sub) -> None:
     add_device_args(p)
     add_decoding_args(p)
     p.set_defaults(func=run)
+    _hint_paths_like_options(p)
+
+
+NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")  # a value, not an option, to argparse too
+
+
+def _hint_paths_like_options(p: argparse.ArgumentParser) -> None:
+    """argparse takes a photo named ``-dash.jpg`` for an unknown option and says only that PATH
+    is missing or that the argument is not recognised (or, for ``-rose.jpg``, reads -r -o
+    se.jpg). So an argument before ``--`` that starts with "-" and is no option of this
+    command, but names a file or folder, or looks like a file name, is refused first with
+    what to type instead."""
+    parse = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        given = sys.argv[1:] if args is None else list(args)
+        for arg in given[: given.index("--") if "--" in given else len(given)]:
+            if _path_like_option(p, arg):
+                p.error(
+                    f"{arg} is read as an option; for a file whose name starts with -, write "
+                    f"./{arg}, or put -- before it (after the options): sat caption -- {arg}"
+                )
+        return parse(args, namespace)
+
+    p.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
+def _path_like_option(p: argparse.ArgumentParser, arg: str) -> bool:
+    """Whether ``arg`` is more likely a path than an option: see _hint_paths_like_options."""
+    if not arg.startswith("-") or arg == "-" or NEGATIVE_NUMBER.fullmatch(arg):
+        return False
+    known = p._option_string_actions
+    if arg.split("=", 1)[0] in known:  # --format=csv
+        return False
+    short = known.get(arg[:2])
+    if short is not None and short.nargs != 0:  # -oFILE: -o and its value
+        return False
+    return os.path.lexists(arg) or ("." in arg and "=" not in arg)
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +129,10 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         "-o", "--output", default=None, help="file to write (default or -: standard output)"
     )
     p.add_argument(
-        "--format", default=None, help="jsonl (default) or csv; default from the --output suffix"
+        "--format",
+        default=None,
+        help="jsonl or csv; default: from the --output suffix, .jsonl or .csv (jsonl for "
+        "standard output and a name without a suffix; any other suffix is refused)",
     )
     p.add_argument(
         "--with-attention",
@@ -104,7 +147,10 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         "each showing where the model looked",
     )
     p.add_argument(
-        "--resume", action="store_true", help="append to --output, skipping images already in it"
+        "--resume",
+        action="store_true",
+        help="append to --output, skipping images already in it (with the model and decoding "
+        "options its captions were made with; others are refused)",
     )
     p.add_argument(
         "--overwrite",
@@ -222,15 +268,6 @@ def write_overlay(path: Path, rec: Record) -> None:
 
 
 # --------------------------------------------------------------------------- the command
-
-
-def _format(args: argparse.Namespace) -> str:
-    fmt = args.format
-    if fmt is None:
-        fmt = "csv" if args.output and args.output.lower().endswith(".csv") else "jsonl"
-    if fmt not in FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    return fmt
 
 
 URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
@@ -353,6 +390,7 @@ class Plan:
     skipped: int  # inputs already in the output (--resume)
     fields: tuple[str, ...] | None  # the CSV columns of the file being continued
     sheets: dict[str, str] | None = None  # --overlays: the PNG name of each path to do
+    made_by: list[dict] = field(default_factory=list)  # what made the file's captions (--resume)
 
 
 def _plan(
@@ -377,6 +415,9 @@ def _plan(
         check_new_output("--output", out_path, args.overwrite or args.resume, resume=True)
     if args.resume and out_path is not None and existed:
         resume = scan_output(out_path, fmt, args.with_attention)  # refuses a foreign file
+        warning = unmarked_warning(out_path, resume)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     todo = _not_done(paths, resume.done if resume else Counter())
     sheets = None
     if todo and args.overlays:
@@ -384,7 +425,9 @@ def _plan(
         names = overlay_names(paths)  # of every input: a resumed run names sheets the same
         sheets = {p: names[p] for p in todo}
         _check_sheets(Path(args.overlays), sheets, paths, args.overwrite or args.resume)
-    return Plan(todo, len(paths) - len(todo), resume.fields if resume else None, sheets), resume
+    if resume is None:
+        return Plan(todo, len(paths) - len(todo), None, sheets), None
+    return Plan(todo, len(paths) - len(todo), resume.fields, sheets, resume.made_by), resume
 
 
 def _not_done(paths: list[str], done: Counter[str]) -> list[str]:
@@ -441,7 +484,7 @@ def _check_sheets(folder: Path, sheets: dict[str, str], paths: list[str], replac
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     decoding = decoding_overrides(args)
-    fmt = _format(args)
+    fmt = output_format(args.output, args.format)
     from showattendtell.distributed import Processes, accelerator_for
 
     several = args.devices * args.num_nodes > 1
@@ -560,6 +603,14 @@ def _caption(
         raise UsageError(
             "--decode-on gpu needs a CUDA GPU (--device cuda); without one, leave it out"
         )
+    made_by = captioner.made_by(**decoding)
+    if plan.made_by:  # --resume; checked only now: the model file holds the defaults
+        try:
+            check_made_by(Path(args.output), plan.made_by, made_by)
+        except UsageError:
+            if procs.rank == 0:
+                raise
+            return 0  # the first process says why
     if procs.rank == 0:
         warn_ignored_decoding(decoding, captioner)
 
@@ -568,7 +619,7 @@ def _caption(
     stream = None
     if procs.rank == 0 and args.output:
         stream = open_output(Path(args.output), resume if args.resume else None)
-    writer = Writer(fmt, args.with_attention, stream, plan.fields)
+    writer = Writer(fmt, args.with_attention, stream, plan.fields, made_by)
     fresh = fmt == "csv" and plan.fields is None
     overlays = None
     if args.overlays and plan.sheets is not None:
