@@ -228,6 +228,20 @@ def test_train_with_a_missing_config_says_so_first(tmp_path, capsys):
     assert err.startswith("error: ") and "usage:" not in err
 
 
+@pytest.mark.parametrize("command", ["train", "features"])
+def test_help_and_error_lines_name_the_command_typed(command, capsys):
+    """`sat features` hands its arguments to LightningCLI as `sat train` does; its usage line
+    and the hint of its error lines are its own."""
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: sat {command} [")
+    assert main([command, "--no-such-option", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert err.endswith(f"(`sat {command} --help` lists the options)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(

@@ -185,12 +185,16 @@ def test_scores_are_printed_when_the_results_cannot_be_written(
 ):
     """The folder was writable at the start but the disk is full at the end: the scores of
     the whole split still reach standard output, one line says what was not written and
-    where the captions were kept instead."""
+    where the captions were kept instead (and the partial captions stay, for --resume)."""
     import errno
 
     from showattendtell.commands import evaluate
 
+    write = evaluate.write_json_atomic
+
     def full_disk(path, data):
+        if path != out:  # the partial captions' settings, written at the start
+            return write(path, data)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(evaluate, "write_json_atomic", full_disk)
@@ -211,6 +215,7 @@ def test_scores_are_printed_when_the_results_cannot_be_written(
     assert len(kept) == 1 and str(kept[0]) in errors[0]
     assert len(json.loads(kept[0].read_text())) == 2
     assert not out.exists()
+    assert len((tmp_path / "results.json.partial.jsonl").read_text().splitlines()) == 2
 
 
 def test_overwrite_never_replaces_a_file_of_the_dataset(model_file, tmp_path, capsys):
@@ -248,3 +253,270 @@ def test_a_results_file_gets_the_usual_permissions(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644
+
+
+def no_java_needed(monkeypatch) -> None:
+    """Skip the Java check: these runs stop before anything is scored."""
+    monkeypatch.setattr(metrics, "require_java", lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize(
+    ("dataset", "split", "line"),
+    [
+        ("flickr8k", "bogus", "the splits of flickr8k are train, dev, val, test"),
+        (
+            "coco",
+            "test",
+            "the splits of the official COCO files are train, val (test and restval need "
+            "Karpathy's dataset_coco.json in {root})",
+        ),
+        (
+            "flickr8k",
+            "test",
+            "flickr8k/test lists no images; evaluate one of the other splits (train, dev, val)",
+        ),
+    ],
+)
+def test_a_split_that_is_not_there_is_a_usage_error(
+    dataset, split, line, model_file, synthetic_flickr, tmp_path, monkeypatch, capsys
+):
+    """A split name the dataset does not have, or a split listing no image (the synthetic
+    folder's test split file is empty), is a mistyped command: exit 2, the splits there are."""
+    no_java_needed(monkeypatch)
+    argv = evaluate_argv(dataset, synthetic_flickr, split, model=model_file, output=tmp_path / "r")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --split {split}: " + line.format(root=synthetic_flickr)
+
+
+def write_coco_like(root: Path, sizes, annotated=None, turned=()) -> Path:
+    """A COCO folder in Karpathy's format (dataset_coco.json, split "test", COCO ids 1..n) of
+    plain photos, photo i of ``sizes[i]`` as stored (with EXIF orientation 6, shown turned by
+    90 degrees, for i in ``turned``), and an instances file giving photo i the size
+    ``annotated[i]`` (default: its own), a person on its left half and a dog on its right
+    half; returns the instances file."""
+    from PIL import Image
+
+    root.mkdir(parents=True)
+    annotated = annotated or sizes
+    entries, images, anns = [], [], []
+    for i, ((w, h), (aw, ah)) in enumerate(zip(sizes, annotated, strict=True), 1):
+        exif = Image.Exif()
+        if i - 1 in turned:
+            exif[0x0112] = 6
+        Image.new("RGB", (w, h), (40 * i % 256, 90, 160)).save(root / f"{i}.jpg", exif=exif)
+        sentences = [{"raw": "a man riding a wave"}, {"raw": "two dogs on the grass"}]
+        entries.append(
+            {"filename": f"{i}.jpg", "split": "test", "cocoid": i, "sentences": sentences}
+        )
+        images.append({"id": i, "width": aw, "height": ah, "file_name": f"{i}.jpg"})
+        for n, (cat, x) in enumerate(((1, 0), (18, aw // 2))):
+            box = [x, 0, aw // 2, ah]
+            polygon = [x, 0, x + aw // 2, 0, x + aw // 2, ah, x, ah]
+            anns.append(
+                {
+                    "id": 10 * i + n,
+                    "image_id": i,
+                    "category_id": cat,
+                    "iscrowd": 0,
+                    "area": float(aw // 2 * ah),
+                    "bbox": box,
+                    "segmentation": [polygon],
+                }
+            )
+    (root / "dataset_coco.json").write_text(json.dumps({"images": entries}))
+    instances = root / "instances.json"
+    categories = [{"id": 1, "name": "person"}, {"id": 18, "name": "dog"}]
+    data = {"images": images, "annotations": anns, "categories": categories}
+    instances.write_text(json.dumps(data))
+    return instances
+
+
+def test_instances_of_other_photo_sizes_are_warned_about_once(
+    model_file, tmp_path, monkeypatch, caplog
+):
+    """Masks are drawn at the size the instances file gives; on photos of another size they
+    are stretched, right only for resized copies of the annotated photos: one warning names
+    the first photo that differs and both sizes, before any captioning. A photo annotated as
+    shown (turned by its EXIF orientation) is not one of them."""
+    from showattendtell.commands import evaluate
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    no_java_needed(monkeypatch)
+    monkeypatch.setattr(evaluate, "caption_split", stop)
+    sizes = [(40, 30)] * 4
+    annotated = [(40, 30), (30, 40), (80, 60), (30, 30)]  # 2: shown turned; 3 and 4 differ
+
+    def argv(root: Path, instances: Path) -> list[str]:
+        options = ["--instances", str(instances)]
+        out = root / "r.json"
+        return evaluate_argv("karpathy", root, "test", *options, model=model_file, output=out)
+
+    instances = write_coco_like(tmp_path / "coco", sizes, annotated, turned={1})
+    with pytest.raises(Stop):
+        main(argv(tmp_path / "coco", instances))
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--instances")]
+    assert warned == [
+        f"--instances: {tmp_path / 'coco' / '3.jpg'} is 40x30 pixels, but {instances} gives it "
+        "80x60 (and 1 more of the 4 annotated photos): attention correctness stretches each "
+        "mask over its photo, right only if the photo is the annotated one resized (not "
+        "cropped, padded, rotated or another photo)"
+    ]
+    caplog.clear()
+    instances = write_coco_like(tmp_path / "same", sizes, [(40, 30), (30, 40)] * 2, turned={1, 3})
+    with pytest.raises(Stop):
+        main(argv(tmp_path / "same", instances))
+    assert not [r for r in caplog.records if r.getMessage().startswith("--instances")]
+
+
+def interrupt_after(monkeypatch, n: int, stop: type[BaseException] = KeyboardInterrupt) -> list:
+    """Captioning stops as on Ctrl-C (``stop``: KeyboardInterrupt) or SIGTERM (Terminated)
+    after ``n`` records; returns the lists of photos each later run was asked to caption."""
+    from showattendtell import pipeline
+
+    real = getattr(pipeline.caption_files, "unwrapped", pipeline.caption_files)
+    asked: list[list[str]] = []
+
+    def caption_files(captioner, paths, *args, **kwargs):
+        asked.append([Path(p).name for p in paths])
+        for i, rec in enumerate(real(captioner, paths, *args, **kwargs)):
+            if i == n:
+                raise stop()
+            yield rec
+
+    caption_files.unwrapped = real
+    monkeypatch.setattr(pipeline, "caption_files", caption_files)
+    return asked
+
+
+@needs_java
+def test_an_interrupted_evaluation_keeps_its_captions_and_resumes(
+    model_file, tmp_path, monkeypatch, capsys
+):
+    """SIGTERM or Ctrl-C while captioning keeps what is captioned beside --output and says the
+    command that goes on; --resume captions only the rest, and the results and scores are those
+    of a run never interrupted. Without --resume the kept captions are not thrown away."""
+    import shlex
+
+    from showattendtell.errors import Terminated
+
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=6)
+    out, partial = tmp_path / "r.json", tmp_path / "r.json.partial.jsonl"
+    argv = flickr8k_argv(model_file, root, "--num-workers", "0", "--batch-size", "2", output=out)
+    interrupt_after(monkeypatch, 3, Terminated)
+    assert main(argv) == 143
+    assert capsys.readouterr().err.endswith(
+        f"interrupted: 3 of 6 images captioned, kept in {partial}; resume with:\n"
+        f"  {shlex.join(['sat', *argv, '--resume'])}\n"
+    )
+    assert not out.exists() and len(partial.read_text().splitlines()) == 3
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {partial} holds the captions of an interrupted run: add --resume to reuse "
+        "them, or delete it to start again"
+    )
+    asked = interrupt_after(monkeypatch, 1)
+    assert main([*argv, "--resume"]) == 130
+    assert len(asked[0]) == 3  # the three left
+    assert "interrupted: 4 of 6 images captioned" in capsys.readouterr().err
+    asked = interrupt_after(monkeypatch, 99)
+    assert main([*argv, "--resume"]) == 0
+    resumed = capsys.readouterr()
+    assert len(asked) == 1 and len(asked[0]) == 2
+    assert "captioned 2 images of flickr8k/dev" in resumed.err
+    assert f"4 more from {partial}" in resumed.err
+    assert not partial.exists() and not (tmp_path / "r.json.partial.json").exists()
+
+    fresh = tmp_path / "fresh.json"
+    assert main(flickr8k_argv(model_file, root, "--num-workers", "0", output=fresh)) == 0
+    scores = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(out.read_text()) == json.loads(fresh.read_text())
+    assert resumed.out.strip().splitlines()[-1] == scores
+
+
+def test_resume_reuses_only_captions_made_the_same_way(model_file, tmp_path, monkeypatch, capsys):
+    no_java_needed(monkeypatch)
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=4)
+    out, partial = tmp_path / "r.json", tmp_path / "r.json.partial.jsonl"
+    argv = flickr8k_argv(model_file, root, "--num-workers", "0", output=out)
+    interrupt_after(monkeypatch, 2)
+    assert main(argv) == 130
+    capsys.readouterr()
+    kept = partial.read_bytes()
+    for extra, made_with in [
+        (["--beam-size", "1"], "--beam-size 2 (this run: 1)"),
+        (["--precision", "bf16"], "--precision 32 (this run: bf16)"),
+    ]:
+        assert main([*argv, *extra, "--resume"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: --resume: the captions in {partial} were made with {made_with}; give the "
+            "same to reuse them, or delete that file to start again"
+        )
+    settings = tmp_path / "r.json.partial.json"
+    settings.write_text("{}")
+    assert main([*argv, "--resume"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --resume: {settings}, the settings of the captions in {partial}, is missing "
+        f"or damaged; delete {partial} to start again"
+    )
+    assert partial.read_bytes() == kept
+
+
+@needs_java
+def test_a_resumed_evaluation_scores_attention_on_the_kept_captions(tmp_path, monkeypatch, capsys):
+    """With --instances the kept records hold each caption's attention and attended cells, so
+    attention correctness covers the captions made before the interruption too; captions kept
+    without them cannot be scored and are refused. The bundled hard model names a person in
+    these photos (4 counted words), each read from one cell."""
+    instances = write_coco_like(tmp_path / "coco", [(40, 30)] * 4)
+    extra = ["--num-workers", "0", "--batch-size", "2", "--no-spice", "--beam-size", "1"]
+    model = "flickr8k_lite2_hard"
+    plain = evaluate_argv("karpathy", tmp_path / "coco", "test", *extra, model=model)
+    argv = [*plain, "--instances", str(instances)]
+
+    interrupt_after(monkeypatch, 2)
+    assert main([*plain, "--output", str(tmp_path / "a.json")]) == 130
+    assert main([*argv, "--output", str(tmp_path / "a.json"), "--resume"]) == 2
+    assert "were made with no --instances" in capsys.readouterr().err
+    assert main([*argv, "--output", str(tmp_path / "b.json")]) == 130
+    capsys.readouterr()
+    asked = interrupt_after(monkeypatch, 99)
+    assert main([*argv, "--output", str(tmp_path / "b.json"), "--resume"]) == 0
+    assert len(asked[0]) == 2
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*argv, "--output", str(tmp_path / "c.json")]) == 0
+    fresh = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ac, fresh_ac = resumed.pop("attention_correctness"), fresh.pop("attention_correctness")
+    assert resumed == fresh and ac["images"] == 4 and ac["words"] == fresh_ac["words"] > 0
+    # the same words counted, the same figures up to the kept attention's 5 decimals
+    per_category = ac.pop("per_category")
+    assert per_category.keys() == fresh_ac.pop("per_category").keys()
+    assert ac.pop("distribution") == pytest.approx(fresh_ac.pop("distribution"), abs=1e-4)
+    assert ac.pop("measured_on") == fresh_ac.pop("measured_on") == "attended locations"
+    assert ac == pytest.approx(fresh_ac, abs=1e-4)
+
+
+def test_an_output_that_is_no_regular_file_is_written_not_replaced(tmp_path):
+    """--output /dev/null (or a FIFO) is written as it is: the rename that makes a results
+    file whole would replace it, as root /dev/null itself."""
+    import os
+    import stat
+    import threading
+
+    from showattendtell.commands.evaluate import write_json_atomic
+
+    fifo = tmp_path / "results.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    write_json_atomic(fifo, [{"image_id": 1, "caption": "a dog"}])
+    reader.join(timeout=10)
+    assert json.loads(got[0]) == [{"image_id": 1, "caption": "a dog"}]
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(tmp_path.iterdir()) == [fifo]

@@ -10,7 +10,7 @@ from synthetic import make_example
 
 from showattendtell.catalog import DEFAULT_BUNDLED, bundled_models
 from showattendtell.inference import load_model
-from showattendtell.model_file import ModelFileError, read_model, save_model
+from showattendtell.model_file import ModelFileError, NotAModelFile, read_model, save_model
 
 
 def test_export_round_trip_keeps_captions(tiny_model_file, tmp_path):
@@ -94,6 +94,84 @@ def test_bad_model_files_give_clear_errors(kind, tiny_model_file, tmp_path):
     with pytest.raises(ModelFileError) as err:
         read_model(path)
     assert "\n" not in str(err.value) and str(path.name) in str(err.value)
+
+
+def _not_a_model(kind: str, folder) -> tuple:
+    """(a file of ``kind`` that is not a model file, what the error line calls it)."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    path = folder / f"{kind}.safetensors"
+    if kind == "text":
+        path = folder / "README.md"
+        path.write_text("# Notes\nnot a model\n")
+        return path, "a text file"
+    if kind == "photo":
+        path = folder / "photo.jpg"
+        Image.new("RGB", (8, 8)).save(path)
+        return path, "an image"
+    if kind == "empty":
+        path.write_bytes(b"")
+        return path, "an empty file"
+    if kind == "pytorch":
+        path = folder / "weights.pt"
+        torch.save({"w": torch.zeros(2)}, path)
+        return path, "a PyTorch or zip file"
+    save_file({"w": torch.zeros(3)}, str(path), metadata={"format": "other"})
+    return path, "a safetensors file but not a showattendtell model"
+
+
+@pytest.mark.parametrize("kind", ["text", "photo", "empty", "pytorch", "foreign"])
+def test_a_file_that_is_no_model_is_a_one_line_usage_error(kind, tmp_path, monkeypatch, capsys):
+    """`sat caption --model README.md photo.jpg` (a mistyped argument, a photo given as the
+    model) exits 2 with one line saying what the file is, as a bad --model name does; the file
+    is never unpickled."""
+    from showattendtell.cli import main
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError("torch.load called on a --model file")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    path, what = _not_a_model(kind, tmp_path)
+    with pytest.raises(NotAModelFile) as e:
+        read_model(path)
+    assert isinstance(e.value, ModelFileError) and e.value.exit_code == 2
+    (img,) = write_photos(tmp_path, 1, seed=0, name="x.png")
+    assert main(["caption", img, "--model", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path} is {what}") and "\n" not in err, err
+
+
+def test_every_command_that_reads_a_model_refuses_one_that_is_not(
+    tiny_model_file, synthetic_flickr, tmp_path, monkeypatch, capsys
+):
+    from showattendtell import metrics
+    from showattendtell.cli import main
+
+    monkeypatch.setattr(metrics, "require_java", lambda *args, **kwargs: None)
+    text, _ = _not_a_model("text", tmp_path)
+    evaluate = ["evaluate", "--dataset", "flickr8k", "--root", str(synthetic_flickr), "--split"]
+    commands = [
+        [*evaluate, "dev", "--output", str(tmp_path / "r.json"), "--model", str(text)],
+        ["serve", "--device", "cpu", "--model", str(text)],
+        [
+            "export",
+            str(tiny_model_file),
+            str(tmp_path / "m.safetensors"),
+            "--interpolate",
+            str(text),
+        ],
+    ]
+    line = (
+        f"error: {text} is a text file, not a model file: give a model file (.safetensors) or "
+        "the name of a model (`sat models` lists them)"
+    )
+    for argv in commands:
+        assert main(argv) == 2, argv[0]
+        assert capsys.readouterr().err.strip() == line, argv[0]
+    monkeypatch.setenv("SAT_MODEL", str(text))
+    assert main(["models"]) == 2
+    assert f"{text} is a text file" in capsys.readouterr().err
 
 
 # COCO val2017 photos and the words that name what is in them (either one will do); the

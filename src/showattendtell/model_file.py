@@ -21,7 +21,7 @@ from showattendtell.consensus import ConsensusIndex
 from showattendtell.decoder import DecoderConfig
 from showattendtell.decoding import DecodingConfig
 from showattendtell.encoder import EncoderConfig
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError, UserError
 from showattendtell.model import CaptionModel
 from showattendtell.vocab import Vocabulary
 
@@ -32,6 +32,15 @@ CONSENSUS_PREFIX = "consensus."
 
 class ModelFileError(UserError, ValueError):
     """Not a model file we can load; the message says what it is and what to do."""
+
+
+class NotAModelFile(ModelFileError, UsageError):
+    """The file given as a model is something else (a photo, a text, a checkpoint, another
+    program's safetensors): a bad argument, exit status 2 like an unknown model name. A model
+    file of ours that is damaged (cut short, diverged weights) stays a ModelFileError (1)."""
+
+
+GIVE_A_MODEL = "give a model file (.safetensors) or the name of a model (`sat models` lists them)"
 
 
 def save_model(
@@ -80,16 +89,16 @@ def save_model(
 def _read_header(path: Path) -> dict[str, str]:
     """The string metadata of a model file, checked to be ours (the weights are not read)."""
     if path.is_dir():
-        raise ModelFileError(
-            f"{path} is a folder: give a model file (.safetensors) or the name "
-            "of a model (`sat models` lists them)"
-        )
+        raise NotAModelFile(f"{path} is a folder: {GIVE_A_MODEL}")
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
     if path.suffix == ".ckpt":
-        raise ModelFileError(
+        raise NotAModelFile(
             f"{path} is a training checkpoint: export it first with `sat export {path} MODEL`"
         )
+    other = _other_format(path)
+    if other is not None:
+        raise NotAModelFile(other)
     try:
         from safetensors import safe_open
 
@@ -100,13 +109,59 @@ def _read_header(path: Path) -> dict[str, str]:
             f"{path} is not a valid model file (truncated or another format): {e}"
         ) from None
     if meta.get("format") != FORMAT:
-        raise ModelFileError(f"{path} is a safetensors file but not a showattendtell model")
+        raise NotAModelFile(
+            f"{path} is a safetensors file but not a showattendtell model: {GIVE_A_MODEL}"
+        )
     if meta.get("version") != VERSION:
         raise ModelFileError(
             f"{path} has model-file version {meta.get('version')}; this showattendtell "
             f"reads version {VERSION}: upgrade the package"
         )
     return meta
+
+
+_IMAGE_STARTS = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM", b"II*\x00", b"MM\x00*")
+_IMAGE_BRANDS = (b"heic", b"heix", b"mif1", b"msf1", b"avif")  # HEIF/AVIF: ftyp at byte 4
+_PICKLE_STARTS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # protocols 2-5
+
+
+def _other_format(path: Path) -> str | None:
+    """The error line for a file that cannot be a safetensors file, from its first bytes (None:
+    it may be one, as it starts with the header's 8-byte length and the header's "{"). So a
+    photo or a README given as --model is a usage error naming what it is, not a safetensors
+    parse error ("header too large"). Nothing is decoded or unpickled."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(512)
+    except OSError:
+        return None  # safe_open says why
+    if len(head) >= 9 and head[8:9] == b"{":
+        return None
+    if head[:4] == b"PK\x03\x04" or head[:2] in _PICKLE_STARTS:  # torch.save: zip, or pickle
+        return (
+            f"{path} is a PyTorch or zip file, not a model file: if it is a checkpoint of sat "
+            f"train, export it first with `sat export {path} MODEL.safetensors`"
+        )
+    if not head:
+        what = "an empty file"
+    elif head.startswith(_IMAGE_STARTS) or (head[4:8] == b"ftyp" and head[8:12] in _IMAGE_BRANDS):
+        what = "an image"
+    elif _is_text(head):
+        what = "a text file"
+    else:
+        what = "another kind of file (not safetensors)"
+    return f"{path} is {what}, not a model file: {GIVE_A_MODEL}"
+
+
+def _is_text(head: bytes) -> bool:
+    """UTF-8 without NUL bytes (the last character may be cut off where ``head`` ends)."""
+    if b"\x00" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start >= len(head) - 3 and e.reason == "unexpected end of data"
+    return True
 
 
 def _parse_header(path: Path, meta: dict[str, str]):

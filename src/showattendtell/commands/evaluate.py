@@ -11,16 +11,22 @@ captions are written in the COCO results format, ``[{"image_id": ..., "caption":
 With ``--instances`` (COCO instance annotations of the split's photos) the JSON also has
 ``"attention_correctness"``: how much of each generated word's attention lies on the masks of the
 COCO category it names (defined and aggregated in attention_correctness.py).
+
+Captions are kept as they are made in a partial file beside the results (evaluate_captions.py),
+so that Ctrl-C or SIGTERM loses none of them and ``--resume`` captions only the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,14 +37,17 @@ from showattendtell.cli_common import (
     decoding_overrides,
     warn_ignored_decoding,
 )
+from showattendtell.commands.evaluate_captions import (
+    Captions,
+    EvaluateError,
+    PartialCaptions,
+    settings,
+    write_json_atomic,
+)
 from showattendtell.data.datasets import DATASETS
-from showattendtell.errors import UsageError
+from showattendtell.errors import raise_terminated
 
 log = logging.getLogger(__name__)
-
-
-class EvaluateError(UsageError, ValueError):
-    """Bad arguments or nothing to score."""
 
 
 def add_parser(sub) -> None:
@@ -73,6 +82,12 @@ def add_parser(sub) -> None:
         "file is replaced only with --overwrite",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the captions an interrupted run kept in <output>.partial.jsonl (same "
+        "model, split, precision and decoding options) and caption only the rest",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="images per batch")
     p.add_argument(
         "--num-workers",
@@ -97,9 +112,58 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from showattendtell.data.datasets import load_split
-    from showattendtell.metrics import repetition, require_java, score_captions
+    from showattendtell.metrics import require_java
 
+    _check_arguments(args)
+    _check_split_name(args)
+    decoding = decoding_overrides(args)
+    output = _output_path(args)
+    # say so before spending minutes on captioning
+    require_java(
+        "sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer "
+        "and METEOR need Java"
+    )
+    split, images = _split_images(args)
+    # a partly present split is scored on the images present (the loader warned with the count)
+    instances = None
+    if args.instances is not None:
+        instances = _load_instances(args.instances, split, images)
+
+    from showattendtell.inference import load_model
+
+    captioner = load_model(args.model, args.device, args.precision)
+    warn_ignored_decoding(decoding, captioner)
+    if output is None:  # the default name, from the model's: checked before captioning too
+        from showattendtell.caption_output import check_new_output
+
+        output = Path(_default_output(captioner.name, args))
+        check_new_output("--output", output, args.overwrite)
+    partial = PartialCaptions(output)
+    partial.start(settings(args, captioner, decoding, instances is not None), args.resume)
+    grid = captioner.model.encoder.config.grid if instances is not None else None
+    made = Captions.reused_from(partial, images, grid)
+    todo = [im for im in images if im.image_id not in made.done]
+    t0 = time.perf_counter()
+    try:
+        with _sigterm_as_ctrl_c():
+            new = caption_split(
+                captioner,
+                todo,
+                args.batch_size,
+                args.num_workers,
+                on_record=partial.write,
+                keep_attention=instances is not None,
+                **decoding,
+            )
+    except KeyboardInterrupt as e:
+        return partial.interrupted(e, len(made.done) + partial.written, len(images), args)
+    finally:
+        partial.close()
+    made.add(new)
+    return _finish(args, split, images, made, output, partial, time.perf_counter() - t0, instances)
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
     if (
         args.batch_size < 1
         or (args.num_workers or 0) < 0
@@ -111,53 +175,37 @@ def run(args: argparse.Namespace) -> int:
             "--instances needs COCO photos (--dataset coco, or karpathy with "
             "dataset_coco.json): Flickr8k has no COCO instance annotations"
         )
-    decoding = decoding_overrides(args)
-    output = _output_path(args)
-    # say so before spending minutes on captioning
-    require_java(
-        "sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer "
-        "and METEOR need Java"
-    )
-    split = load_split(args.dataset, args.root, args.split)
-    split.require_images()
-    images = split.images[: args.limit] if args.limit else split.images
-    # a partly present split is scored on the images present (the loader warned with the count)
-    instances = _load_instances(args.instances, split) if args.instances is not None else None
 
-    from showattendtell.inference import finite_or_none, load_model
 
-    captioner = load_model(args.model, args.device, args.precision)
-    warn_ignored_decoding(decoding, captioner)
-    if output is None:  # the default name, from the model's: checked before captioning too
-        from showattendtell.caption_output import check_new_output
+def _finish(
+    args: argparse.Namespace,
+    split,
+    images: list,
+    made: Captions,
+    output: Path,
+    partial: PartialCaptions,
+    elapsed: float,
+    instances,
+) -> int:
+    """Write the results, then score them: the scores JSON on standard output, the rest on
+    standard error. The partial captions go once the results file holds them all."""
+    from showattendtell.inference import finite_or_none
+    from showattendtell.metrics import repetition, score_captions
 
-        output = Path(_default_output(captioner.name, args))
-        check_new_output("--output", output, args.overwrite)
-    t0 = time.perf_counter()
-    kept: dict = {}  # image_id -> CaptionResult, for attention correctness
-    captions, failed = caption_split(
-        captioner,
-        images,
-        args.batch_size,
-        args.num_workers,
-        on_result=kept.__setitem__ if instances is not None else None,
-        **decoding,
-    )
-    elapsed = time.perf_counter() - t0
+    captions = {
+        im.image_id: made.captions[im.image_id] for im in images if im.image_id in made.captions
+    }
     if not captions:
+        partial.remove()  # every image was tried: nothing to resume
         raise EvaluateError(f"none of the {len(images)} images of {split.name} could be decoded")
     by_id = {im.image_id: im for im in images}
     results = [{"image_id": _result_id(by_id[k]), "caption": c} for k, c in captions.items()]
     # A write that fails now (a disk that filled up, a folder removed during the run) must not
     # lose the scores of the whole split: they are printed, and the failure said, below.
     unwritten = _write_results(output, results)
-    print(
-        f"captioned {len(captions)} images of {split.name} in {elapsed:.1f} s "
-        f"({len(captions) / max(elapsed, 1e-9):.1f} img/s"
-        f"{f', {len(failed)} undecodable images skipped' if failed else ''})"
-        + ("" if unwritten else f"; wrote {output}"),
-        file=sys.stderr,
-    )
+    if not unwritten:
+        partial.remove()
+    print(made.summary(split.name, elapsed, partial, output, unwritten), file=sys.stderr)
 
     references = {k: by_id[k].captions for k in captions}
     scores = score_captions(captions, references, official=True, spice=not args.no_spice)
@@ -169,33 +217,38 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if instances is not None:
-        from showattendtell.attention_correctness import score_results
-
-        ac = score_results(
-            instances,
-            (
-                (by_id[k].coco_id, r.words, r.attention, r.locations, by_id[k].path)
-                for k, r in kept.items()
-            ),
-        )
-        out["attention_correctness"] = ac
-        found = (
-            f"{ac['correctness']} of the attention ({ac['measured_on']}) on the "
-            "category's masks, "
-            f"{ac['uniform']} for uniform attention, ratio {ac['ratio']}"
-            if ac["words"]
-            else "no generated word names a COCO category of its photo"
-        )
-        print(
-            f"attention correctness: {ac['words']} words in {ac['images']} photos "
-            f"({ac['skipped_images']} photos not in {args.instances} skipped): {found}",
-            file=sys.stderr,
-        )
+        out["attention_correctness"] = _attention_correctness(instances, made, by_id, args)
     print(json.dumps(out, allow_nan=False))
     if unwritten:
         print(f"error: {unwritten}; the scores above are complete", file=sys.stderr)
         return 1
     return 0
+
+
+def _attention_correctness(instances, made: Captions, by_id: dict, args) -> dict:
+    from showattendtell.attention_correctness import score_results
+
+    ac = score_results(
+        instances,
+        (
+            (by_id[k].coco_id, words, attention, locations, by_id[k].path)
+            for k, (words, attention, locations) in made.attention.items()
+            if k in by_id
+        ),
+    )
+    found = (
+        f"{ac['correctness']} of the attention ({ac['measured_on']}) on the "
+        "category's masks, "
+        f"{ac['uniform']} for uniform attention, ratio {ac['ratio']}"
+        if ac["words"]
+        else "no generated word names a COCO category of its photo"
+    )
+    print(
+        f"attention correctness: {ac['words']} words in {ac['images']} photos "
+        f"({ac['skipped_images']} photos not in {args.instances} skipped): {found}",
+        file=sys.stderr,
+    )
+    return ac
 
 
 def _default_output(model_name: str, args: argparse.Namespace) -> str:
@@ -261,7 +314,66 @@ def _write_results(output: Path, results: list) -> str | None:
         return what
 
 
-def _load_instances(path: str, split):
+def _check_split_name(args: argparse.Namespace) -> None:
+    """A --split the dataset does not have is a usage error naming the splits there are, said
+    before anything is read (a missing --root: load_split says so)."""
+    root = Path(args.root)
+    names = _split_names(args.dataset, root)
+    if root.is_dir() and args.split not in names:
+        raise EvaluateError(
+            f"--split {args.split}: the splits of {_dataset_shown(args.dataset, root)} are "
+            f"{', '.join(names)}{_coco_hint(args.dataset, root, names)}"
+        )
+
+
+def _split_images(args: argparse.Namespace) -> tuple:
+    """(the split, the images to evaluate: its first --limit). A split that lists no image is a
+    usage error naming the other splits; a split whose images are all absent from disk stays a
+    MissingImagesError (exit status 1: the data is missing, not the command wrong)."""
+    from showattendtell.data.datasets import load_split
+
+    split = load_split(args.dataset, args.root, args.split)
+    if not split.num_annotated:
+        others = [n for n in _split_names(args.dataset, Path(args.root)) if n != args.split]
+        raise EvaluateError(
+            f"--split {args.split}: {split.name} lists no images; evaluate one of the other "
+            f"splits ({', '.join(others)})"
+        )
+    split.require_images()
+    return split, split.images[: args.limit] if args.limit else split.images
+
+
+def _split_names(dataset: str, root: Path) -> list[str]:
+    """The --split names load_split takes for ``dataset`` in ``root`` (aliases included)."""
+    from showattendtell.data.datasets import FLICKR8K_SPLITS, KARPATHY_SPLITS
+
+    if dataset == "flickr8k":
+        return list(FLICKR8K_SPLITS)
+    if dataset == "coco" and not _has_karpathy_coco(root):
+        return ["train", "val"]  # the official caption files
+    return list(KARPATHY_SPLITS)
+
+
+def _has_karpathy_coco(root: Path) -> bool:
+    """Where load_coco looks for Karpathy's dataset_coco.json."""
+    return any(
+        (root / f).is_file() for f in ("dataset_coco.json", "caption_datasets/dataset_coco.json")
+    )
+
+
+def _dataset_shown(dataset: str, root: Path) -> str:
+    if dataset == "coco":
+        return "the official COCO files" if not _has_karpathy_coco(root) else "dataset_coco.json"
+    return "Karpathy's split files" if dataset == "karpathy" else dataset
+
+
+def _coco_hint(dataset: str, root: Path, names: list[str]) -> str:
+    if dataset != "coco" or "test" in names:
+        return ""
+    return f" (test and restval need Karpathy's dataset_coco.json in {root})"
+
+
+def _load_instances(path: str, split, images: list):
     """The instances file, checked before any captioning: it must annotate some of the split's
     COCO photos (an instances file of another split or year is a mistake, not zero words)."""
     from showattendtell.attention_correctness import CocoInstances, InstancesError
@@ -287,7 +399,59 @@ def _load_instances(path: str, split):
         len(ids),
         split.name,
     )
+    _check_instance_sizes(path, instances, images)
     return instances
+
+
+def _check_instance_sizes(path: str, instances, images: list) -> None:
+    """One warning when photos are not the size the instances file gives them: their masks
+    (drawn at that size) are stretched over the photo, which is right for the annotated photo
+    resized, and meaningless for a crop, a padded or rotated copy, or another photo. Only the
+    files' headers are read."""
+    annotated = [im for im in images if im.coco_id in instances.image_ids]
+    first, differ = None, 0
+    for im in annotated:
+        info = instances.coco.imgs[im.coco_id]
+        expected = (int(info["width"]), int(info["height"]))
+        sizes = _photo_sizes(im.path)
+        if sizes and expected not in sizes:
+            differ += 1
+            first = first or (im, sizes[0], expected)
+    if first is None:
+        return
+    im, (w, h), (ew, eh) = first
+    more = (
+        f" (and {differ - 1} more of the {len(annotated)} annotated photos)" if differ > 1 else ""
+    )
+    log.warning(
+        "--instances: %s is %dx%d pixels, but %s gives it %dx%d%s: attention correctness "
+        "stretches each mask over its photo, right only if the photo is the annotated one "
+        "resized (not cropped, padded, rotated or another photo)",
+        im.path,
+        w,
+        h,
+        path,
+        ew,
+        eh,
+        more,
+    )
+
+
+def _photo_sizes(path: Path) -> list[tuple[int, int]]:
+    """(width, height) of the photo as stored and, for an EXIF orientation that turns it, as
+    shown: the instances file may give either (attention_correctness turns a mask drawn at the
+    stored size). Empty for a file whose header cannot be read (captioning reports it)."""
+    from PIL import Image
+
+    import showattendtell.images  # noqa: F401 - registers HEIC/HEIF with Pillow
+
+    try:
+        with Image.open(path) as img:
+            w, h = img.size
+            turned = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+    except Exception:  # noqa: BLE001 - Pillow raises many kinds for a bad header
+        return []
+    return [(w, h), (h, w)] if turned else [(w, h)]
 
 
 def caption_split(
@@ -295,50 +459,55 @@ def caption_split(
     images: list,
     batch_size: int = 32,
     num_workers: int | None = None,
-    on_result=None,
+    on_record=None,
+    keep_attention: bool = False,
     **decoding,
-) -> tuple[dict[str, str], dict[str, str]]:
+) -> Captions:
     """Caption a split's images through the one pipeline (pipeline.caption_files).
 
-    Returns (image_id -> caption, image_id -> reason for the undecodable ones, which are
-    reported and skipped). ``on_result(image_id, CaptionResult)``, when given, receives each
-    full result (words, per-word attention) as it is made.
+    The undecodable images are reported and skipped (``Captions.failed``). ``on_record(Record)``,
+    when given, receives each image's record as it is made, its ``path`` the image's id;
+    ``keep_attention``: keep each caption's words and attention (``Captions.attention``).
     """
-    from showattendtell.pipeline import caption_files
+    from showattendtell.pipeline import Record, caption_files
     from showattendtell.progress import Progress
 
-    captions: dict[str, str] = {}
-    failed: dict[str, str] = {}
+    made = Captions()
+    if not images:
+        return made
     with Progress(len(images), "captions") as progress:
         records = caption_files(
             captioner, [im.path for im in images], batch_size, num_workers, progress, **decoding
         )
         for im, rec in zip(images, records, strict=True):
+            if on_record is not None:
+                on_record(Record(im.image_id, rec.result, rec.error))
             if rec.result is None:
                 log.warning("skipping undecodable image: %s: %s", rec.path, rec.error)
-                failed[im.image_id] = rec.error
+                made.failed[im.image_id] = rec.error
                 continue
-            captions[im.image_id] = rec.result.caption
-            if on_result is not None:
-                on_result(im.image_id, rec.result)
-    return captions, failed
+            made.captions[im.image_id] = rec.result.caption
+            if keep_attention:
+                r = rec.result
+                made.attention[im.image_id] = (r.words, r.attention, r.locations)
+    return made
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c():
+    """SIGTERM (`kill`, a scheduler's preemption) stops captioning as Ctrl-C does, so that the
+    captions made so far are kept and the resume command is said (where signals can be
+    handled: the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _result_id(im) -> int | str:
     """COCO results want the integer image id; Flickr images are named by their file name."""
     return im.coco_id if im.coco_id is not None else im.image_id
-
-
-def write_json_atomic(path: Path, data) -> None:
-    """Write to a temporary file in the same folder, then rename: never a half-written file.
-    The temporary file is made by open(), so the result has the permissions the umask gives
-    (mkstemp's would be private, 0600)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, ensure_ascii=False)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

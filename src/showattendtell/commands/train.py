@@ -247,7 +247,7 @@ class SatCLI(LightningCLI):
                 raise
             while isinstance(cause.__cause__, ValueError):
                 cause = cause.__cause__
-            raise UsageError(f"{cause} (`sat train --help` lists the options)") from None
+            raise UsageError(f"{cause} (`{self.parser.prog} --help` lists the options)") from None
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         """The Trainer with the run's loggers and checkpoints (and any the config adds)."""
@@ -341,7 +341,11 @@ def _run_dir_alias(args: list[str]) -> list[str]:
     return out
 
 
-def build_cli(args: list[str], cli_class: type[SatCLI] | None = None) -> SatCLI:
+def build_cli(
+    args: list[str], cli_class: type[SatCLI] | None = None, prog: str = "sat train"
+) -> SatCLI:
+    """The LightningCLI of ``prog`` (`sat train`, `sat features`): its name is what ``--help``'s
+    usage line and the error lines show."""
     typed = list(args)
     # --config OVERLAY -> --config BASE --config OVERLAY; Lightning's name for the run folder
     args = _run_dir_alias(expand_bases(args))
@@ -359,12 +363,12 @@ def build_cli(args: list[str], cli_class: type[SatCLI] | None = None) -> SatCLI:
             trainer_defaults=TRAINER_DEFAULTS,
             seed_everything_default=SEED_DEFAULT,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": "sat train", "default_env": False, "exit_on_error": False},
+            parser_kwargs={"prog": prog, "default_env": False, "exit_on_error": False},
             command_line=typed,
         )
     except ArgumentError as e:
         message = short_type_error(str(e)) or str(e)
-        raise UsageError(f"{message} (`sat train --help` lists the options)") from None
+        raise UsageError(f"{message} (`{prog} --help` lists the options)") from None
 
 
 def train(args: list[str]) -> int:
@@ -461,7 +465,7 @@ def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
 def extract_features(args: list[str]) -> int:
     """`sat features --config X.yaml`: fill the feature cache exactly as `sat train` would;
     with ``--trainer.devices N`` (and ``--trainer.num_nodes M``) N x M processes share it out."""
-    cli = build_cli(args)
+    cli = build_cli(args, prog="sat features")
     trainer, dm = cli.trainer, cli.datamodule
     accelerator = "cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
     procs = Processes(trainer.num_devices, trainer.num_nodes, accelerator)
