@@ -26,9 +26,10 @@ from torch.autograd.function import once_differentiable
 from showattendtell import gpu_kernels
 from showattendtell.gpu_kernels import kernels
 from showattendtell.grad_anchor import Anchor
+from showattendtell.piecewise_scores import PassKeys
 
 
-class FusedKeys:
+class FusedKeys(PassKeys):
     """W_a a + b (G, L, A) and w (A,) of one teacher-forced pass, read by every word's scores.
 
     Each word's backward pass leaves its U_a h (N, A) and gradient of e (N, L) here; after the
@@ -40,27 +41,11 @@ class FusedKeys:
     def __init__(self, projected: torch.Tensor, w: torch.Tensor):
         self.values = projected.detach().contiguous()  # (G, L, A)
         self.w = w.detach().reshape(-1)  # (A,), from any shape of w (nn.Linear's is (1, A))
-        self.rows = self.values.size(0)
         self.gathered: _Gathered = _Gathered(
             self, projected.requires_grad, w.requires_grad, w.shape
         )
         needed = projected.requires_grad or w.requires_grad
         self.anchor = Anchor.apply(self.gathered, projected, w) if needed else None
-
-    def __getitem__(self, rows: slice) -> FusedKeys:
-        if rows.start not in (None, 0) or rows.step not in (None, 1):
-            raise TypeError("FusedKeys takes the first rows only: keys[:n]")
-        first = object.__new__(FusedKeys)
-        first.values, first.w, first.gathered = self.values[rows], self.w, self.gathered
-        first.rows, first.anchor = first.values.size(0), self.anchor
-        return first
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    def element_size(self) -> int:
-        return self.values.element_size()
 
 
 class _Gathered:
@@ -72,7 +57,7 @@ class _Gathered:
         self.grad_es: list[torch.Tensor] = []  # T x (N, L)
 
     def add(self, u: torch.Tensor, grad_e: torch.Tensor, beams: int) -> None:
-        missing = (self.keys.rows - u.size(0) // beams) * beams  # rows of images gone by now
+        missing = (self.keys.values.size(0) - u.size(0) // beams) * beams  # images gone by now
         if missing:  # zero gradients: no word of theirs
             u, grad_e = F.pad(u, (0, 0, 0, missing)), F.pad(grad_e, (0, 0, 0, missing))
         self.us.append(u)

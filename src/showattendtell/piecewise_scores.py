@@ -14,13 +14,37 @@ autograd would then add up.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from showattendtell.grad_anchor import Anchor
 
 
-class SharedKeys:
+class PassKeys:
+    """W_a a + b (B, L, A) of one teacher-forced pass as the scores of every word read it.
+    ``keys[:n]`` are the first n images' keys (the packed recurrence's shrinking batch),
+    sharing everything else with ``keys``."""
+
+    values: torch.Tensor
+
+    def __getitem__(self, rows: slice):
+        if rows.start not in (None, 0) or rows.step not in (None, 1):
+            raise TypeError(f"{type(self).__name__} takes the first rows only: keys[:n]")
+        first = copy.copy(self)
+        first.values = self.values[rows]
+        return first
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def element_size(self) -> int:
+        return self.values.element_size()
+
+
+class SharedKeys(PassKeys):
     """W_a a + b (B, L, A) of one teacher-forced pass, read by the scores of every word, with
     one gradient buffer that they all add into.
 
@@ -35,20 +59,6 @@ class SharedKeys:
         self.store = _Store(self.values if projected.requires_grad else None)
         # (0,): a tensor that ties the words' scores to projected's place in the graph
         self.anchor = Anchor.apply(self.store, projected) if self.store.needed else None
-
-    def __getitem__(self, rows: slice) -> SharedKeys:
-        if rows.start not in (None, 0) or rows.step not in (None, 1):
-            raise TypeError("SharedKeys takes the first rows only: keys[:n]")
-        first = object.__new__(SharedKeys)
-        first.values, first.store, first.anchor = self.values[rows], self.store, self.anchor
-        return first
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    def element_size(self) -> int:
-        return self.values.element_size()
 
 
 class _Store:

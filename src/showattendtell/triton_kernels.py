@@ -152,17 +152,24 @@ def keys_grad(
 
 
 @triton.jit
+def _cell_inputs(gates_ptr, c_ptr, b, j, m, H):
+    """Row b's units j (mask m): i, f, o, g = tanh, tanh' of g's pre-activation, c_{t-1}."""
+    row = gates_ptr + b * 4 * H + j
+    i = tl.sigmoid(tl.load(row, mask=m, other=0.0).to(tl.float32))
+    f = tl.sigmoid(tl.load(row + H, mask=m, other=0.0).to(tl.float32))
+    o = tl.sigmoid(tl.load(row + 2 * H, mask=m, other=0.0).to(tl.float32))
+    g, dg = _tanh_parts(tl.load(row + 3 * H, mask=m, other=0.0).to(tl.float32))
+    c = tl.load(c_ptr + b * H + j, mask=m, other=0.0).to(tl.float32)
+    return i, f, o, g, dg, c
+
+
+@triton.jit
 def _cell_forward_kernel(gates_ptr, c_ptr, h_out, c_out, H, BH: tl.constexpr):
     """One row's BH units: gates (B, 4H) in the order i f o g, c (B, H). Grid (cdiv(H, BH), B)."""
     hb, b = tl.program_id(0), tl.program_id(1)
     j = hb * BH + tl.arange(0, BH)
     m = j < H
-    row = gates_ptr + b * 4 * H + j
-    i = tl.sigmoid(tl.load(row, mask=m, other=0.0).to(tl.float32))
-    f = tl.sigmoid(tl.load(row + H, mask=m, other=0.0).to(tl.float32))
-    o = tl.sigmoid(tl.load(row + 2 * H, mask=m, other=0.0).to(tl.float32))
-    g, _ = _tanh_parts(tl.load(row + 3 * H, mask=m, other=0.0).to(tl.float32))
-    c = tl.load(c_ptr + b * H + j, mask=m, other=0.0).to(tl.float32)
+    i, f, o, g, _, c = _cell_inputs(gates_ptr, c_ptr, b, j, m, H)
     c_t = f * c + i * g
     tanh_c, _ = _tanh_parts(c_t)
     tl.store(c_out + b * H + j, c_t.to(c_out.dtype.element_ty), mask=m)
@@ -177,12 +184,7 @@ def _cell_backward_kernel(
     hb, b = tl.program_id(0), tl.program_id(1)
     j = hb * BH + tl.arange(0, BH)
     m = j < H
-    row = gates_ptr + b * 4 * H + j
-    i = tl.sigmoid(tl.load(row, mask=m, other=0.0).to(tl.float32))
-    f = tl.sigmoid(tl.load(row + H, mask=m, other=0.0).to(tl.float32))
-    o = tl.sigmoid(tl.load(row + 2 * H, mask=m, other=0.0).to(tl.float32))
-    g, dg = _tanh_parts(tl.load(row + 3 * H, mask=m, other=0.0).to(tl.float32))
-    c = tl.load(c_ptr + b * H + j, mask=m, other=0.0).to(tl.float32)
+    i, f, o, g, dg, c = _cell_inputs(gates_ptr, c_ptr, b, j, m, H)
     tanh_c, dtanh_c = _tanh_parts(f * c + i * g)
     grad_h = tl.load(gh_ptr + b * H + j, mask=m, other=0.0).to(tl.float32)
     grad_c = tl.load(gc_ptr + b * H + j, mask=m, other=0.0).to(tl.float32)
