@@ -315,15 +315,29 @@ def test_folder_scans_count_what_they_skip(tmp_path):
 
 
 def test_a_decoding_process_is_quiet_once_the_main_process_has_gone(monkeypatch, capsys):
-    """After `kill` of `sat caption`, a worker's queue thread meets a closed connection: no
-    traceback for that, one for anything else."""
+    """After `kill` of `sat caption`, a worker's queue thread, or the thread that hands its
+    shared memory to the main process (multiprocessing's resource_sharer, which reports through
+    sys.excepthook), meets a closed connection: no traceback for that, one for anything else."""
     import multiprocessing.queues
+    import sys
 
     from showattendtell.images import quiet_when_orphaned
 
     queue = multiprocessing.queues.Queue
     monkeypatch.setattr(queue, "_on_queue_feeder_error", queue._on_queue_feeder_error)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     quiet_when_orphaned(0)
+    for error in (EOFError(), ConnectionResetError(104, "reset")):
+        try:
+            raise error
+        except Exception:
+            sys.excepthook(*sys.exc_info())  # as resource_sharer's thread does
+    assert capsys.readouterr().err == ""
+    try:
+        raise KeyError("lost")
+    except KeyError:
+        sys.excepthook(*sys.exc_info())
+    assert "KeyError: 'lost'" in capsys.readouterr().err
     for error in (ConnectionResetError(104, "reset"), BrokenPipeError(32, "pipe")):
         try:
             raise error

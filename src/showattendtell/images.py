@@ -432,15 +432,28 @@ def quiet_when_orphaned(worker_id: int) -> None:
     """In a decoding process: say nothing when the main process has gone (Ctrl-C, `kill`).
 
     A worker's queue thread that finds the connection to its parent closed prints a traceback
-    (multiprocessing's ``_on_queue_feeder_error``), which a user would read as a crash after the
-    run's own last word; the worker exits right after all the same. Other errors still print.
+    (multiprocessing's ``_on_queue_feeder_error``), and so does the thread that hands the
+    parent the file descriptors of a batch's shared memory (``resource_sharer``, through
+    ``sys.excepthook``), which a user would read as a crash after the run's own last word; the
+    worker exits right after all the same. Other errors still print.
     """
     import multiprocessing.queues
+    import sys
 
     shown = multiprocessing.queues.Queue._on_queue_feeder_error
 
     def feeder_error(e: BaseException, obj: object) -> None:
-        if not isinstance(e, (BrokenPipeError, ConnectionError, EOFError)):
+        if not isinstance(e, ORPHANED):
             shown(e, obj)
 
     multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(feeder_error)
+    hook = sys.excepthook
+
+    def excepthook(kind, value, tb) -> None:
+        if not isinstance(value, ORPHANED):
+            hook(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+
+ORPHANED = (BrokenPipeError, ConnectionError, EOFError)  # a decoding process's parent has gone
