@@ -90,6 +90,32 @@ def test_a_missing_sat_model_file_is_named(monkeypatch, tmp_path):
         load_model(None)
 
 
+@pytest.mark.parametrize("kind", ["text", "photo"])
+def test_a_sat_model_that_is_no_model_file_is_said_to_come_from_it(
+    kind, tmp_path, monkeypatch, capsys
+):
+    """With no --model, the line names $SAT_MODEL as well as the file: the user typed no model
+    and would look for the mistake in the command line. A --model given needs no $SAT_MODEL."""
+    (img,) = write_photos(tmp_path, 1, seed=0, name="x.png")
+    bad = tmp_path / "notes.txt"
+    bad.write_text("a model? no\n")
+    bad = bad if kind == "text" else img
+    what = "a text file" if kind == "text" else "an image"
+    monkeypatch.setenv("SAT_MODEL", str(bad))
+    for argv in (["models"], ["caption", str(img)]):
+        assert main(argv) == 2, argv[0]
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"error: $SAT_MODEL: {bad} is {what}, not a model file: point it at a model file, "
+            "give a bundled model's name, or unset it"
+        ), argv[0]
+    given = bundled_models()[-1]
+    assert resolve_model(str(given)) == given and resolve_model(given.stem) == given
+    monkeypatch.setenv("SAT_MODEL", str(tmp_path))
+    assert main(["caption", str(img)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: $SAT_MODEL is {tmp_path}, a folder: ")
+
+
 def test_sat_model_may_name_a_bundled_model(monkeypatch):
     """As --model does: SAT_MODEL=flickr8k_lite2_hard makes the hard model the default."""
     from showattendtell.catalog import BUNDLED_DIR, default_model_path, named_models

@@ -1,6 +1,9 @@
 """`sat train` / `sat export` / `sat caption` end to end on a small synthetic Flickr8k folder."""
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -392,10 +395,10 @@ def _check_interpolated_export(start_ckpt: Path, tuned_ckpt: Path, capsys) -> No
                 "1.5",
             ]
         )
-        == 1
+        == 2
     )
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: cannot interpolate") and len(err.splitlines()) == 1
+    assert err.startswith("error: --alpha 1.5: must be from 0 to 1") and "\n" not in err
     assert not Path("bad.safetensors").exists()
 
 
@@ -473,6 +476,43 @@ def test_trainer_default_root_dir_is_the_run_folder(synthetic_flickr, tmp_path, 
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert main([*tiny, f"--trainer.default_root_dir={run_dir}", "--run.dir", "x"]) == 2
     assert "give only --run.dir" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def no_log_handlers():
+    """The root and package loggers without handlers, as in a new Python process or a notebook
+    (pytest's own are put back after)."""
+    loggers = [logging.getLogger(), logging.getLogger("showattendtell")]
+    saved = [(lg, lg.handlers[:], lg.level) for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.handlers.clear()
+        yield
+    finally:
+        for lg, handlers, level in saved:
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+
+
+def test_main_called_again_logs_to_the_stderr_of_the_moment(monkeypatch):
+    """A notebook calls main() again and again while sys.stderr changes (each cell's, a test's
+    capture, closed after it): each call's lines go to the stderr of that call, once, and no
+    handler is left behind to write to a closed stream ("--- Logging error ---")."""
+    from showattendtell.commands import models
+    from showattendtell.commands import train as train_command
+
+    def logs(what: str):
+        return lambda *args: logging.getLogger(f"showattendtell.{what}").info(what) or 0
+
+    monkeypatch.setattr(models, "run", logs("models"))  # the other commands: the root logger's
+    monkeypatch.setattr(train_command, "train", logs("train"))  # train: the package's
+    with no_log_handlers():
+        for command in ("models", "models", "train", "train", "models"):
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                assert main([command]) == 0
+                assert err.getvalue() == f"INFO: {command}\n", command
+            err.close()
+        assert not logging.getLogger().handlers and not logging.getLogger("showattendtell").handlers
 
 
 def test_version(capsys):

@@ -129,7 +129,7 @@ def test_without_java_it_says_so_before_captioning(
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (["--dataset", "coco", "--root", "/nonexistent/coco"], "does not exist"),
+        (["--dataset", "coco", "--root", "/nonexistent/coco"], "no such folder"),
         (["--dataset", "flickr8k", "--root", "{synthetic}", "--split", "validation"], "splits"),
         (["--dataset", "flickr8k", "--root", "{synthetic}", "--batch-size", "0"], "positive"),
     ],
@@ -139,6 +139,27 @@ def test_bad_arguments_are_one_line_errors(synthetic_flickr, capsys, args, match
     rc = main(["evaluate", *args])
     err = capsys.readouterr().err
     assert rc != 0 and match in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("dataset", ["coco", "flickr8k"])
+def test_a_root_that_is_no_folder_is_a_usage_error(dataset, tmp_path, capsys):
+    """A mistyped --root, or a file given for it, is a usage error (exit 2, before any model is
+    read) saying what the folder holds; `sat data coco` makes a COCO folder."""
+    missing, photo = tmp_path / "missing", tmp_path / "photo.jpg"
+    photo.write_bytes(b"")
+    layout = {
+        "coco": "the COCO folder (annotations/captions_*.json and the photo folders, or "
+        "Karpathy's dataset_coco.json); `sat data coco --root {download}` downloads it",
+        "flickr8k": "the Flickr8k folder (Flickr8k.token.txt, Flickr_8k.*Images.txt and "
+        "images/; see data/README.md)",
+    }[dataset]
+    for root, what, download in (
+        (missing, "no such folder", missing),
+        (photo, "is a file, not a folder", "DIR"),
+    ):
+        assert main(["evaluate", "--dataset", dataset, "--root", str(root)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --root {root}: {what}: give " + layout.format(download=download)
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "proc"])

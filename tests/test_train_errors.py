@@ -185,6 +185,63 @@ def test_a_file_and_a_folder_given_for_each_other_are_named_so(synthetic_flickr,
     assert line.startswith(f"error: --config {tmp_path}: is a folder, not a config file")
 
 
+def test_a_data_root_that_is_not_there_is_refused_before_any_work(tmp_path, capsys):
+    """The dataset readers would refuse it only once the model is built (exit status 1)."""
+    run_dir, missing = tmp_path / "run", tmp_path / "missing"
+    assert main(tiny(missing, run_dir)) == 2
+    assert one_error_line(capsys) == (
+        f"error: --data.root {missing}: no such folder: give the Flickr8k folder "
+        "(Flickr8k.token.txt, Flickr_8k.*Images.txt and images/; see data/README.md)"
+    )
+    assert not run_dir.exists()
+
+
+# `sat export CKPT OUT ...`: arguments wrong in ways seen without reading CKPT, and the line
+EXPORT_MISTAKES = [
+    (["--interpolate", "{text}"], "{text} is a text file, not a model file: give a model file"),
+    (["--interpolate", "no_such"], "--interpolate no_such: no such file, and no model of"),
+    (["--interpolate", "{tmp}"], "--interpolate {tmp} is a folder: give a model file"),
+    (["--interpolate", "flickr8k_lite2_soft", "--alpha", "1.5"], "--alpha 1.5: must be from 0"),
+    (["--alpha", "0.3"], "--alpha 0.3 is the checkpoint's weight with --interpolate MODEL"),
+    (["--consensus-root", "{tmp}/gone"], "--consensus-root {tmp}/gone: no such folder: give"),
+    (
+        ["--consensus-root", "{flickr}", "--consensus-split", "trian"],
+        "--consensus-split trian: the splits of flickr8k are train, dev, val, test",
+    ),
+    (
+        ["--consensus-root", "{flickr}", "--consensus-neighbours", "0"],
+        "--consensus-neighbours 0: must be 1 or more",
+    ),
+    (["--feature-cache", "{tmp}"], "--feature-cache is for the consensus index of --consensus"),
+    (
+        ["--consensus-root", "{flickr}", "--feature-cache", "{tmp}"],
+        "--feature-cache {tmp}: no feature cache there (no meta.json)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("options", "said"), EXPORT_MISTAKES)
+def test_export_checks_its_arguments_before_reading_the_checkpoint(
+    options, said, synthetic_flickr, tmp_path, monkeypatch, capsys
+):
+    """A checkpoint may be gigabytes on a network disk: a mistyped option is said first."""
+    import showattendtell.lit_module
+
+    def read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(showattendtell.lit_module, "load_checkpoint", read)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model\n")
+    ckpt, out = tmp_path / "last.ckpt", tmp_path / "out.safetensors"
+    ckpt.write_bytes(b"not read")
+    names = {"text": text, "tmp": tmp_path, "flickr": synthetic_flickr}
+    options = [o.format(**names) for o in options]
+    assert main(["export", str(ckpt), str(out), *options]) == 2
+    assert one_error_line(capsys).startswith("error: " + said.format(**names))
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("source", ["none.ckpt", "no_such_model"])
 def test_export_of_a_checkpoint_that_is_not_there_is_a_usage_error(source, tmp_path, capsys):
     out = tmp_path / "out.safetensors"

@@ -20,6 +20,8 @@ BUNDLED_DIR = Path(__file__).parent / "bundled"
 DEFAULT_MODEL_ENV = "SAT_MODEL"
 DEFAULT_BUNDLED = "flickr8k_lite2_soft.safetensors"
 MODEL_SUFFIX = ".safetensors"
+# what to do about a $SAT_MODEL that names no model file
+POINT_IT = "point it at a model file, give a bundled model's name, or unset it"
 
 
 class ModelNotFound(UsageError, ValueError):
@@ -48,11 +50,14 @@ def default_model_path() -> Path:
     """$SAT_MODEL, else the bundled default model."""
     env = env_model()
     if env is not None:
+        if env.is_dir():
+            raise ModelNotFound(f"${DEFAULT_MODEL_ENV} is {env}, a folder: {POINT_IT}")
         if not env.is_file():
             raise ModelNotFound(
-                f"${DEFAULT_MODEL_ENV} is {env}, which is not a file: point it "
-                "at a model file, give a bundled model's name, or unset it"
+                f"${DEFAULT_MODEL_ENV} is {env}: no such file, and no bundled model of that "
+                f"name: {POINT_IT}"
             )
+        _check_env_model(env)
         return env
     bundled = bundled_models()
     if bundled:
@@ -61,6 +66,20 @@ def default_model_path() -> Path:
         "no model given and no bundled model installed: pass --model "
         f"MODEL.safetensors (or set {DEFAULT_MODEL_ENV})"
     )
+
+
+def _check_env_model(path: Path) -> None:
+    """$SAT_MODEL's file is read as a model now, from its header (milliseconds; no weights):
+    the model file's own error line names the file but not where it came from, and a user who
+    typed no --model would look for the mistake in the command line."""
+    from showattendtell.model_file import GIVE_A_MODEL, ModelFileError, describe_model
+
+    try:
+        describe_model(path)
+    except ModelFileError as e:
+        message = str(e).removesuffix(f": {GIVE_A_MODEL}")
+        point = f": {POINT_IT}" if message != str(e) else ""
+        raise type(e)(f"${DEFAULT_MODEL_ENV}: {message}{point}") from None
 
 
 def named_models() -> dict[str, Path]:
@@ -74,14 +93,15 @@ def named_models() -> dict[str, Path]:
     return named
 
 
-def resolve_model(spec: str | Path | None) -> Path:
-    """The model file that ``spec`` means: None -> the default; a file path; or a model name."""
+def resolve_model(spec: str | Path | None, option: str = "--model") -> Path:
+    """The model file that ``spec`` means: None -> the default; a file path; or a model name.
+    ``option``: the command-line option ``spec`` came from, as the error lines name it."""
     if spec is None or str(spec) == "":
         return default_model_path()
     path = Path(spec)
     if path.is_dir():
         raise ModelNotFound(
-            f"--model {spec} is a folder: give a model file (.safetensors) or "
+            f"{option} {spec} is a folder: give a model file (.safetensors) or "
             "the name of a model (`sat models` lists them)"
         )
     if path.is_file():
@@ -92,7 +112,7 @@ def resolve_model(spec: str | Path | None) -> Path:
         return named[name]
     known = ", ".join(named) or "none installed"
     raise ModelNotFound(
-        f"--model {spec}: no such file, and no model of that name (models: "
+        f"{option} {spec}: no such file, and no model of that name (models: "
         f"{known}; `sat models` lists them)"
     )
 

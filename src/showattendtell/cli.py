@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import sys
+from collections.abc import Iterator
+from typing import TextIO
 
 from showattendtell.cli_common import pause_gc
 from showattendtell.commands import caption, data, evaluate, export, models
@@ -58,16 +61,45 @@ def version_line() -> str:
     return f"sat {__version__} (torch {torch}, Python {platform.python_version()})"
 
 
-def _log_package_to_stderr() -> None:
-    """Our INFO lines (dataset counts, feature-extraction progress) under LightningCLI, which
-    configures only Lightning's own loggers. The root logger is left alone: configuring it would
-    print Lightning's lines twice."""
-    pkg = logging.getLogger("showattendtell")
-    if not pkg.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-        pkg.addHandler(handler)
-        pkg.setLevel(logging.INFO)
+class StderrHandler(logging.StreamHandler):
+    """Writes each record to ``sys.stderr`` as it is then, not as it was when the handler was
+    made: a stream captured then (a test's, a notebook cell's) may be closed or elsewhere by the
+    time a record comes."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        """StreamHandler sets it; sys.stderr is read at each record instead."""
+
+
+@contextlib.contextmanager
+def _log_to_stderr(train: bool) -> Iterator[None]:
+    """INFO lines on stderr for one `sat` command, put back as they were when it returns, so
+    that calls of main([...]) in one process (a notebook, the tests) never stack handlers.
+
+    `sat train` and `sat features`: only our own lines (dataset counts, feature-extraction
+    progress); LightningCLI configures Lightning's loggers, whose lines a handler on the root
+    logger would print twice. The other commands: every logger's. A logger that has handlers
+    already (an application's logging setup, pytest's capture) is left as it is."""
+    logger = logging.getLogger("showattendtell" if train else None)
+    if logger.handlers:
+        yield
+        return
+    handler, level = StderrHandler(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,14 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if program and argv[:1] == ["caption"]:
         pause_gc()  # until the model is ready (commands/caption.py)
+    train = bool(argv) and argv[0] in ("train", "features")
+    with _log_to_stderr(train):
+        return _run(argv, train)
+
+
+def _run(argv: list[str], train: bool) -> int:
+    """The command of ``argv``; a UserError, a too-long file name or Ctrl-C as one line and
+    an exit status (main's)."""
     try:
         # train and features hand their arguments to LightningCLI (YAML configs, dotted overrides)
-        if argv and argv[0] in ("train", "features"):
-            _log_package_to_stderr()
-            from showattendtell.commands import train
+        if train:
+            from showattendtell.commands import train as train_command
 
-            return (train.train if argv[0] == "train" else train.extract_features)(argv[1:])
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+            run = train_command.train if argv[0] == "train" else train_command.extract_features
+            return run(argv[1:])
         args = build_parser().parse_args(argv)
         args.command_line = list(argv)  # e.g. for the --resume command an interrupted run prints
         return args.func(args)

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from showattendtell.metrics import require_java
 
     _check_arguments(args)
-    _check_split_name(args)
+    check_split_name("--split", args.dataset, args.root, args.split)
     decoding = decoding_overrides(args)
     output = _output_path(args)
     # say so before spending minutes on captioning
@@ -164,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
+    from showattendtell.commands.train_checks import check_dataset_root
+
     if (
         args.batch_size < 1
         or (args.num_workers or 0) < 0
@@ -175,6 +177,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
             "--instances needs COCO photos (--dataset coco, or karpathy with "
             "dataset_coco.json): Flickr8k has no COCO instance annotations"
         )
+    check_dataset_root("--root", args.root, args.dataset)
 
 
 def _finish(
@@ -314,15 +317,16 @@ def _write_results(output: Path, results: list) -> str | None:
         return what
 
 
-def _check_split_name(args: argparse.Namespace) -> None:
-    """A --split the dataset does not have is a usage error naming the splits there are, said
-    before anything is read (a missing --root: load_split says so)."""
-    root = Path(args.root)
-    names = _split_names(args.dataset, root)
-    if root.is_dir() and args.split not in names:
+def check_split_name(option: str, dataset: str, root: str | Path, split: str) -> None:
+    """A split (``option``: --split, or `sat export`'s --consensus-split) that the dataset in
+    the folder ``root`` does not have is a usage error naming the splits there are, said before
+    anything is read (`sat export`: before the checkpoint)."""
+    root = Path(root)
+    names = _split_names(dataset, root)
+    if root.is_dir() and split not in names:
         raise EvaluateError(
-            f"--split {args.split}: the splits of {_dataset_shown(args.dataset, root)} are "
-            f"{', '.join(names)}{_coco_hint(args.dataset, root, names)}"
+            f"{option} {split}: the splits of {_dataset_shown(dataset, root)} are "
+            f"{', '.join(names)}{_coco_hint(dataset, root, names)}"
         )
 
 

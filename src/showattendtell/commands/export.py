@@ -13,6 +13,8 @@ from showattendtell.cli_common import add_decoding_args, decoding_overrides
 from showattendtell.data.datasets import DATASETS
 from showattendtell.errors import UsageError
 
+DEFAULT_ALPHA = 0.5
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a training checkpoint as a model file")
@@ -43,8 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--alpha",
         type=float,
-        default=0.5,
-        help="the checkpoint's weight with --interpolate (default 0.5)",
+        default=None,
+        help=f"the checkpoint's weight with --interpolate, from 0 to 1 (default {DEFAULT_ALPHA})",
     )
     g = p.add_argument_group("consensus index (for --rerank consensus; consensus.py)")
     g.add_argument(
@@ -84,9 +86,13 @@ def run(args: argparse.Namespace) -> int:
     from showattendtell.decoding import DecodingConfig
     from showattendtell.model_file import ModelFileError, save_model
 
+    # every argument that can be checked without reading the checkpoint (gigabytes, minutes
+    # on a network disk) is checked first
     overrides = decoding_overrides(args)
     output = _check_output(args)
     _check_source(args.checkpoint)
+    interpolate, alpha = _check_interpolate(args)
+    _check_consensus(args)
     if _is_model_file(args.checkpoint):  # its weights, its stored decoding with the overrides
         from showattendtell.catalog import resolve_model
         from showattendtell.model_file import read_model
@@ -103,18 +109,17 @@ def run(args: argparse.Namespace) -> int:
             module = load_checkpoint(args.checkpoint)
         model = module.model
         info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
-    if args.interpolate:
-        from showattendtell.catalog import resolve_model
+    if interpolate is not None:
         from showattendtell.model_file import read_model
 
-        start, _, _ = read_model(resolve_model(args.interpolate))
+        start, _, _ = read_model(interpolate)
         try:
-            model.interpolate_(start, args.alpha)
+            model.interpolate_(start, alpha)
         except ValueError as e:
             raise ModelFileError(
                 f"cannot interpolate {args.checkpoint} with {args.interpolate}: {e}"
             ) from None
-        info.update(interpolated_with=str(args.interpolate), alpha=args.alpha)
+        info.update(interpolated_with=str(args.interpolate), alpha=alpha)
     if args.consensus_root:
         from showattendtell.consensus import build_index
 
@@ -159,6 +164,74 @@ def _check_source(source: str) -> None:
             "runs/NAME/checkpoints/last.ckpt) or a model file (.safetensors, or a name "
             "`sat models` lists)"
         )
+
+
+def _check_interpolate(args: argparse.Namespace) -> tuple[Path | None, float]:
+    """(--interpolate's model file, --alpha), checked before the checkpoint is read: the file is
+    there and is a model file (its header is read, not its weights), and the weight is one that
+    ``CaptionModel.interpolate_`` takes. (None, ...): no --interpolate."""
+    if args.interpolate is None:
+        if args.alpha is not None:
+            raise UsageError(
+                f"--alpha {args.alpha:g} is the checkpoint's weight with --interpolate MODEL: "
+                "give that too, or leave --alpha out"
+            )
+        return None, DEFAULT_ALPHA
+    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
+    if not 0.0 <= alpha <= 1.0:
+        raise UsageError(
+            f"--alpha {alpha:g}: must be from 0 to 1 (the checkpoint's weight; "
+            "--interpolate's model gets 1 - alpha)"
+        )
+    from showattendtell.catalog import resolve_model
+    from showattendtell.model_file import describe_model
+
+    path = resolve_model(args.interpolate, "--interpolate")
+    describe_model(path)  # NotAModelFile: a photo, a text, a checkpoint, ...
+    return path, alpha
+
+
+def _check_consensus(args: argparse.Namespace) -> None:
+    """The consensus-index options, checked before the checkpoint is read: the dataset folder
+    and split (as `sat train` and `sat evaluate` check theirs), K, the feature-cache folder;
+    and the options that only --consensus-root uses are not given without it."""
+    if args.consensus_root is None:
+        for flag, value in (
+            ("--consensus-neighbours", args.consensus_neighbours),
+            ("--feature-cache", args.feature_cache),
+        ):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} is for the consensus index of --consensus-root DIR: give that "
+                    f"too, or leave {flag} out"
+                )
+        return
+    from showattendtell.commands.evaluate import check_split_name
+    from showattendtell.commands.train_checks import check_dataset_root
+
+    root, dataset = args.consensus_root, args.consensus_dataset
+    check_dataset_root("--consensus-root", root, dataset)
+    check_split_name("--consensus-split", dataset, root, args.consensus_split)
+    k = args.consensus_neighbours
+    if k is not None and k < 1:
+        raise UsageError(f"--consensus-neighbours {k}: must be 1 or more")
+    if args.feature_cache is not None:
+        _check_feature_cache(Path(args.feature_cache))
+
+
+def _check_feature_cache(folder: Path) -> None:
+    """--feature-cache names one encoder's cache (its meta.json), not the data.feature_cache
+    folder that holds one per encoder: the line names the caches found there."""
+    if (folder / "meta.json").is_file():
+        return
+    inside = sorted(p.parent.name for p in folder.glob("*/meta.json"))
+    hint = (
+        f"it holds the caches {', '.join(inside)}: give the one of this model's encoder"
+        if inside
+        else "give the cache folder of this model's encoder under the training run's "
+        "data.feature_cache"
+    )
+    raise UsageError(f"--feature-cache {folder}: no feature cache there (no meta.json); {hint}")
 
 
 def _is_model_file(source: str) -> bool:

@@ -51,11 +51,34 @@ def check_data_settings(data) -> None:
         if value is not None and value < 0:
             raise UsageError(f"--data.{name} {value}: must be 0 (no extra processes) or more")
     root = data.get("root")
-    if root and Path(root).is_file():
-        raise UsageError(
-            f"--data.root {root}: is a file, not a folder: give the dataset's folder "
-            "(see data/README.md)"
-        )
+    if root:
+        check_dataset_root("--data.root", root, data.get("dataset"))
+
+
+# what each dataset's folder holds (data/README.md), said when a dataset folder option is wrong
+_DATASET_FOLDERS = {
+    "flickr8k": "the Flickr8k folder (Flickr8k.token.txt, Flickr_8k.*Images.txt and images/; "
+    "see data/README.md)",
+    "karpathy": "the folder of Karpathy's dataset_*.json and its photos (see data/README.md)",
+    "coco": "the COCO folder (annotations/captions_*.json and the photo folders, or Karpathy's "
+    "dataset_coco.json)",
+}
+
+
+def check_dataset_root(option: str, root: str | Path, dataset: str | None) -> None:
+    """A dataset folder (``option``: --data.root, --root, --consensus-root) that is not there or
+    is a file is a mistyped command, said before any work: the dataset readers would refuse it
+    only after a model is built or a checkpoint read, as a failure (exit status 1). The line
+    says what the folder of ``dataset`` holds, and for COCO how to download it."""
+    path = Path(root)
+    if path.is_dir():
+        return
+    what = "is a file, not a folder" if path.exists() else "no such folder"
+    give = _DATASET_FOLDERS.get(str(dataset), "the dataset's folder (see data/README.md)")
+    if dataset == "coco":
+        target = "DIR" if path.exists() else shlex.quote(str(root))
+        give += f"; `sat data coco --root {target}` downloads it"
+    raise UsageError(f"{option} {root}: {what}: give {give}")
 
 
 # the validation scores CaptionModule logs (higher is better: the callbacks' mode is max)
