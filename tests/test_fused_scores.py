@@ -202,3 +202,16 @@ def test_the_cell_kernels_give_the_lstm_cells_values_and_gradients(fused, dtypes
         assert x.dtype == dtype
         tol = 1e-6 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(x.double(), ref, rtol=tol, atol=tol)
+
+
+def test_sat_triton_0_turns_the_kernels_off():
+    """The way out should the kernels misbehave on some GPU: SAT_TRITON=0, read at import."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from showattendtell import gpu_kernels; print(sorted(gpu_kernels.FUSED_DEVICES))"
+    for value, devices in (("0", "[]"), ("1", "['cuda']")):
+        env = {**os.environ, "SAT_TRITON": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.stdout.strip() == devices, out.stderr

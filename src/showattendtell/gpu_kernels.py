@@ -4,17 +4,21 @@
 On CUDA devices where Triton imports and compiles, for float32, bf16 and float16 tensors,
 outside torch.compile (which fuses the plain operations itself). Where Triton is missing or
 fails (no compiler, an unsupported GPU), one warning a device, and autograd's operations.
+``SAT_TRITON=0`` in the environment turns the kernels off (the same values, PyTorch's
+operations), should they misbehave on some GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from types import ModuleType
 
 import torch
 
-FUSED_DEVICES = {"cuda"}  # device types that take the kernels (tests add "cpu": interpreter)
+# device types that take the kernels (tests add "cpu": Triton's interpreter)
+FUSED_DEVICES = set() if os.environ.get("SAT_TRITON") == "0" else {"cuda"}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WARNED: set[str] = set()  # devices where the kernels did not run, and a warning said so
 
