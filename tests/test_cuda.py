@@ -124,6 +124,21 @@ def test_the_steps_triton_kernels_run_on_the_gpu():
             assert gpu_kernels.applies(x)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA GPU")
+def test_the_steps_kernels_run_on_the_tensors_gpu_not_the_current_one():
+    """Triton launches on the current device: `--device cuda:1` must still compute there."""
+    from showattendtell.lstm_cell import lstm_cell
+
+    torch.cuda.set_device(0)
+    gates, c = torch.randn(3, 40, device="cuda:1"), torch.randn(3, 10, device="cuda:1")
+    h_t, c_t = lstm_cell(gates, c)  # the kernel (no gradient wanted)
+    ifo, g = gates.split([30, 10], dim=1)
+    i, f, o = torch.sigmoid(ifo).chunk(3, 1)
+    want_c = f * c + i * torch.tanh(g)
+    torch.testing.assert_close(c_t, want_c)
+    torch.testing.assert_close(h_t, o * torch.tanh(want_c))
+
+
 def test_sat_caption_records_its_graphs_beside_the_decoding_processes(tmp_path):
     """Many photos, decoding processes and the pin-memory thread busy while the search graph
     records: no recording may fail (it did in CUDA's global capture mode)."""

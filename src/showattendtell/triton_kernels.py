@@ -22,6 +22,8 @@ captioning on a CPU never pays for it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,11 @@ BLOCK_L = 32  # grid locations per tile
 BLOCK_A = 128  # attention channels per tile
 BLOCK_H = 128  # LSTM units per program
 WARPS = 4
+
+
+def _on(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it x's (`--device cuda:1`)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit
@@ -117,7 +124,10 @@ def scores(p: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     K = u.size(0) // G
     e = torch.empty(u.size(0), L, device=p.device, dtype=torch.float32)
     grid = (K, triton.cdiv(L, BLOCK_L), G)
-    _scores_kernel[grid](p, u, w, e, L, A, K, u.stride(0), BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS)
+    with _on(p):
+        _scores_kernel[grid](
+            p, u, w, e, L, A, K, u.stride(0), BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS
+        )
     return e
 
 
@@ -129,9 +139,10 @@ def hidden_grad(
     K = u.size(0) // G
     gu = torch.empty(u.size(0), A, device=p.device, dtype=torch.float32)
     grid = (triton.cdiv(A, BLOCK_A), K, G)
-    _hidden_grad_kernel[grid](
-        p, u, w, grad_e, gu, L, A, K, u.stride(0), BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS
-    )
+    with _on(p):
+        _hidden_grad_kernel[grid](
+            p, u, w, grad_e, gu, L, A, K, u.stride(0), BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS
+        )
     return gu.to(u.dtype)
 
 
@@ -145,9 +156,10 @@ def keys_grad(
     gp = torch.empty_like(p)
     grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(A, BLOCK_A), G)
     gw = torch.empty(G * grid[0], A, device=p.device, dtype=torch.float32)  # one row a tile row
-    _keys_grad_kernel[grid](
-        p, us, grad_es, w, gp, gw, L, A, N // G, N, T, BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS
-    )
+    with _on(p):
+        _keys_grad_kernel[grid](
+            p, us, grad_es, w, gp, gw, L, A, N // G, N, T, BL=BLOCK_L, BA=BLOCK_A, num_warps=WARPS
+        )
     return gp, gw.sum(0)
 
 
@@ -204,7 +216,8 @@ def cell_forward(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, to
     dtype = torch.promote_types(gates.dtype, c.dtype)
     h_t, c_t = (torch.empty(B, H, device=c.device, dtype=dtype) for _ in range(2))
     grid = (triton.cdiv(H, BLOCK_H), B)
-    _cell_forward_kernel[grid](gates, c, h_t, c_t, H, BH=BLOCK_H, num_warps=WARPS)
+    with _on(gates):
+        _cell_forward_kernel[grid](gates, c, h_t, c_t, H, BH=BLOCK_H, num_warps=WARPS)
     return h_t, c_t
 
 
@@ -215,7 +228,8 @@ def cell_backward(
     B, H = c.shape
     g_gates, g_c = torch.empty_like(gates), torch.empty_like(c)
     grid = (triton.cdiv(H, BLOCK_H), B)
-    _cell_backward_kernel[grid](
-        gates, c, grad_h, grad_c, g_gates, g_c, H, BH=BLOCK_H, num_warps=WARPS
-    )
+    with _on(gates):
+        _cell_backward_kernel[grid](
+            gates, c, grad_h, grad_c, g_gates, g_c, H, BH=BLOCK_H, num_warps=WARPS
+        )
     return g_gates, g_c
