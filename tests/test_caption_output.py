@@ -376,7 +376,13 @@ def test_resume_tells_apart_two_names_that_print_alike(
 
 MADE_BY = {  # the tests' tiny model at --beam-size 1: its stored settings for the rest
     "model": "tiny",
-    "decoding": {"beam_size": 1, "max_length": 8, "length_penalty": 0.0, "no_repeat_ngram": 0},
+    "decoding": {
+        "beam_size": 1,
+        "max_length": 8,
+        "length_penalty": 0.0,
+        "no_repeat_ngram": 0,
+        "precision": "32",
+    },
 }
 
 
@@ -384,9 +390,10 @@ MADE_BY = {  # the tests' tiny model at --beam-size 1: its stored settings for t
 def test_resume_adds_no_captions_of_another_model_or_other_options(
     fmt, images, tiny_model_file, tiny_hard_model_file, tmp_path, monkeypatch, capsys
 ):
-    """Every caption record says what made it, and --resume refuses to mix: one line, exit 2,
-    the file left as it was. Options are compared as used, so the same ones spelt otherwise
-    (a stored value given, --hard-mode for a soft model, which ignores it) continue it."""
+    """Every caption record says what made it (model, decoding options, precision), and
+    --resume refuses to mix: one line, exit 2, the file left as it was. Options are compared
+    as used, so the same ones spelt otherwise (a stored value given, --hard-mode for a soft
+    model, which ignores it) continue it."""
     name = f"out.{fmt}"
     out = tmp_path / name
     assert caption(tmp_path, monkeypatch, tiny_model_file, *images[:2], "-o", name) == 0
@@ -402,6 +409,11 @@ def test_resume_adds_no_captions_of_another_model_or_other_options(
         ),
         ((*soft, "--beam-size", "2"), "model tiny, --beam-size 1", "model tiny, --beam-size 2"),
         (soft, "model tiny, --beam-size 1", "model tiny, --beam-size 3"),  # the stored beam
+        (
+            (*soft, "--beam-size", "1", "--precision", "bf16"),
+            "model tiny, --precision 32",
+            "model tiny, --precision bf16",
+        ),
     ):
         rc = main(["caption", *images, "-o", name, "--resume", "--workers", "0", *args])
         assert rc == 2

@@ -155,13 +155,14 @@ def test_made_by_names_the_model_and_the_decoding_options_that_apply(
     tiny_model_file, tiny_hard_model_file
 ):
     """What `sat caption` writes into each record: the stored settings with the overrides,
-    only those that change this model's captions."""
+    only those that change this model's captions, and the precision."""
     stored = {"beam_size": 3, "max_length": 8, "length_penalty": 0.0, "no_repeat_ngram": 0}
+    stored["precision"] = "32"
     soft = load_model(tiny_model_file, "cpu")
     assert soft.made_by() == {"model": "tiny", "decoding": stored}
     assert soft.made_by(beam_size=1, hard_mode="sample")["decoding"] == {**stored, "beam_size": 1}
-    hard = load_model(tiny_hard_model_file, "cpu")
+    hard = load_model(tiny_hard_model_file, "cpu", "bf16")
     assert hard.made_by(hard_mode="sample") == {
         "model": "tiny_hard",
-        "decoding": {**stored, "hard_mode": "sample"},
+        "decoding": {**stored, "hard_mode": "sample", "precision": "bf16"},
     }

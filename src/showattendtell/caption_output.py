@@ -374,7 +374,7 @@ def _made_with(made_by: dict, options: list[str]) -> str:
     parts = [f"model {made_by['model']}"]
     for name in options:
         value = made_by["decoding"][name]
-        flag = DECODING_OPTIONS[name].flag if name in DECODING_OPTIONS else name
+        flag = DECODING_OPTIONS[name].flag if name in DECODING_OPTIONS else f"--{name}"
         parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
     return ", ".join(parts)
 

@@ -112,6 +112,7 @@ class Captioner:
     ):
         self.device = resolve_device(device)
         self.autocast = autocast_dtype(precision, self.device)
+        self.precision = precision
         self.model = model.to(self.device).eval()
         if model.consensus is not None:  # not a module: moved by hand
             model.consensus.to(self.device)
@@ -138,11 +139,12 @@ class Captioner:
     def made_by(self, **decoding) -> dict:
         """What makes this model's captions with these decoding overrides: its name and the
         decoding options that change its captions (``applies``), as used (the stored settings
-        with the overrides). `sat caption` writes it into every record, and ``--resume``
-        compares it with the file's, so that one file never mixes two models' captions."""
+        with the overrides), with the precision (bf16 changes some captions). `sat caption`
+        writes it into every record, and ``--resume`` compares it with the file's, so that
+        one file never mixes two models' captions."""
         cfg = self.check_decoding(**decoding)
         used = {k: v for k, v in cfg.to_dict().items() if self.applies(DECODING_OPTIONS[k])}
-        return {"model": self.name, "decoding": used}
+        return {"model": self.name, "decoding": {**used, "precision": self.precision}}
 
     @property
     def input_size(self) -> int:
