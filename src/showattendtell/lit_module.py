@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -87,7 +88,9 @@ def read_checkpoint(path: str | Path, option: str = "checkpoint") -> dict:
             f"{option}: {path} is an exported model file, not a training checkpoint: {hint}"
         )
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's advice about a plain pickle's protocol
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError):
         # torch's own message advises weights_only=False, i.e. running the file's code: no
         raise ModelFileError(f"{option}: {path} is not a training checkpoint: {hint}") from None

@@ -5,7 +5,6 @@ file -> the same weights with other stored decoding defaults (e.g. the bundled m
 from __future__ import annotations
 
 import argparse
-import warnings
 from pathlib import Path
 
 from showattendtell.caption_output import OutputError, check_new_output
@@ -104,9 +103,7 @@ def run(args: argparse.Namespace) -> int:
         from showattendtell.lit_module import load_checkpoint
 
         decoding = DecodingConfig().with_overrides(**overrides)
-        with warnings.catch_warnings():  # torch's advice about a plain pickle's protocol
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            module = load_checkpoint(args.checkpoint)
+        module = load_checkpoint(args.checkpoint)
         model = module.model
         info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
     if interpolate is not None:

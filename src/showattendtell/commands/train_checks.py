@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import warnings
 from pathlib import Path
 
 from showattendtell.errors import UsageError
@@ -107,9 +106,7 @@ def check_resume_checkpoint(ckpt_path: str | None) -> None:
     from showattendtell.model_file import ModelFileError
 
     try:
-        with warnings.catch_warnings():  # torch's advice about a plain pickle's protocol
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            read_checkpoint(ckpt_path, "--ckpt_path")
+        read_checkpoint(ckpt_path, "--ckpt_path")
     except ModelFileError as e:
         raise UsageError(str(e)) from None
 
