@@ -14,6 +14,7 @@ import io
 import logging
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from showattendtell.errors import UserError
@@ -114,26 +115,26 @@ def score_captions(
         res = {k: [" ".join(tokenize(predictions[k]))] for k in keys}
         gts = {k: [" ".join(tokenize(r)) for r in references[k]] for k in keys}
 
-    scorers: list[tuple[object, list[str] | str]] = [
-        (Bleu(4), ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]),
-        (Rouge(), "ROUGE_L"),
-        (Cider(), "CIDEr"),
+    # each scorer's compute_score, with the name(s) of what it returns
+    scorers: list[tuple[Callable, list[str] | str]] = [
+        (Bleu(4).compute_score, ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]),
+        (Rouge().compute_score, "ROUGE_L"),
+        (Cider().compute_score, "CIDEr"),
     ]
     if official:
-        scorers.insert(1, (None, "METEOR"))  # meteor_scores
+        scorers.insert(1, (meteor_scores, "METEOR"))
         if spice and spice_available():
             from pycocoevalcap.spice.spice import Spice
 
-            scorers.append((Spice(), "SPICE"))
+            scorers.append((Spice().compute_score, "SPICE"))
         elif spice:
             log.warning(
                 "SPICE skipped: its Stanford CoreNLP models are not installed "
                 "(pycocoevalcap/spice/get_stanford_models.py downloads them)"
             )
     scores: dict[str, float] = {}
-    for scorer, names in scorers:
+    for compute, names in scorers:
         try:
-            compute = meteor_scores if scorer is None else scorer.compute_score
             with contextlib.redirect_stdout(io.StringIO()):  # the scorers print their progress
                 value, _ = compute(gts, res)
         except (subprocess.CalledProcessError, OSError) as e:
