@@ -4,6 +4,13 @@ Subclasses say what was wrong and what to do (a missing file, an undecodable ima
 model file, a dataset folder laid out wrongly, no Java for the official metrics, ...).
 """
 
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
 
 class UserError(Exception):
     """Bad input or environment; ``exit_code`` 2 for usage errors, 1 for failures."""
@@ -28,3 +35,17 @@ class Terminated(KeyboardInterrupt):
 def raise_terminated(signum: int, frame: object) -> None:
     """A SIGTERM handler (``signal.signal(signal.SIGTERM, raise_terminated)``)."""
     raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` while the block runs (where signals can be handled: the
+    main thread), and the handler before it is put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

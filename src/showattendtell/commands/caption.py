@@ -15,9 +15,7 @@ import contextlib
 import os
 import re
 import shlex
-import signal
 import sys
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import islice
@@ -45,7 +43,7 @@ from showattendtell.cli_common import (
     resume_gc,
     warn_ignored_decoding,
 )
-from showattendtell.errors import Terminated, UsageError, UserError, raise_terminated
+from showattendtell.errors import Terminated, UsageError, UserError, sigterm_as_ctrl_c
 from showattendtell.settings import DEFAULT_BATCH_SIZE
 
 if TYPE_CHECKING:
@@ -497,31 +495,21 @@ def run(args: argparse.Namespace) -> int:
     resume: ResumePoint | None = None
     lock: list[OutputLock] = []
     # SIGTERM stops the run as Ctrl-C does: complete records kept, the resume command printed
-    old_sigterm = _stop_on_sigterm()
-    try:
-        if procs.rank == 0:
-            try:
-                plan, resume = _plan(args, fmt, lock)
-            except UserError as e:
-                if not procs.started_externally:
-                    raise
-                plan = e  # torchrun / SLURM: the others are waiting for the plan; tell them too
-            if isinstance(plan, Plan) and not plan.todo and not procs.started_externally:
-                return _nothing_to_do(plan, args)
-        return _run_planned(args, plan, resume, fmt, decoding, procs)
-    finally:
-        for held in lock:
-            held.release()
-        if old_sigterm is not None:
-            signal.signal(signal.SIGTERM, old_sigterm)
-
-
-def _stop_on_sigterm():
-    """Turn SIGTERM into Terminated (a KeyboardInterrupt) for this run; returns the handler to
-    put back (None where signals cannot be handled: not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, raise_terminated)
+    with sigterm_as_ctrl_c():
+        try:
+            if procs.rank == 0:
+                try:
+                    plan, resume = _plan(args, fmt, lock)
+                except UserError as e:
+                    if not procs.started_externally:
+                        raise
+                    plan = e  # torchrun / SLURM: the others are waiting for the plan; tell them too
+                if isinstance(plan, Plan) and not plan.todo and not procs.started_externally:
+                    return _nothing_to_do(plan, args)
+            return _run_planned(args, plan, resume, fmt, decoding, procs)
+        finally:
+            for held in lock:
+                held.release()
 
 
 def resume_command(args: argparse.Namespace) -> str | None:

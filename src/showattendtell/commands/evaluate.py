@@ -19,14 +19,11 @@ so that Ctrl-C or SIGTERM loses none of them and ``--resume`` captions only the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -45,7 +42,7 @@ from showattendtell.commands.evaluate_captions import (
     write_json_atomic,
 )
 from showattendtell.data.datasets import DATASETS
-from showattendtell.errors import raise_terminated
+from showattendtell.errors import sigterm_as_ctrl_c
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     todo = [im for im in images if im.image_id not in made.done]
     t0 = time.perf_counter()
     try:
-        with _sigterm_as_ctrl_c():
+        with sigterm_as_ctrl_c():
             new = caption_split(
                 captioner,
                 todo,
@@ -495,21 +492,6 @@ def caption_split(
                 r = rec.result
                 made.attention[im.image_id] = (r.words, r.attention, r.locations)
     return made
-
-
-@contextlib.contextmanager
-def _sigterm_as_ctrl_c():
-    """SIGTERM (`kill`, a scheduler's preemption) stops captioning as Ctrl-C does, so that the
-    captions made so far are kept and the resume command is said (where signals can be
-    handled: the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def _result_id(im) -> int | str:
