@@ -77,8 +77,12 @@ def test_graphed_training_step_gives_eager_loss_and_gradients(attention):
     assert graphed.graphed is not None and not graphed.failed
     got_grads = torch.autograd.grad(got, list(dec.parameters()))
     expected = loss(dec, a, caps, lengths)[0]
-    for x, y in zip(got_grads, torch.autograd.grad(expected, list(dec.parameters())), strict=True):
-        assert torch.allclose(x, y, rtol=1e-5, atol=1e-7)
+    # Two eager passes already differ in float32's last digits on an H100 (W_a's gradient, up
+    # to 24, by 1.9e-6 in one element, with or without the Triton kernels): the bound is relative
+    # to each gradient's largest element, far below what a wrong or stale replay gives.
+    want = torch.autograd.grad(expected, list(dec.parameters()))
+    for (name, _), x, y in zip(dec.named_parameters(), got_grads, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6 * float(y.abs().max()), msg=name)
     assert torch.allclose(got, expected)
 
 
