@@ -302,7 +302,7 @@ def timed_bulk_run(cmd: list[str], output: Path, limit_s: float) -> dict[str, An
             first = (time.perf_counter() - t0, lines(output))
         if time.perf_counter() - t0 > limit_s:
             stopped = True
-            end, done = time.perf_counter() - t0, lines(output)
+            end, done = time.perf_counter() - t0, lines(output) if output.exists() else 0
             os.killpg(proc.pid, signal.SIGKILL)  # its decoding processes too
             proc.wait()
             break
@@ -314,7 +314,9 @@ def timed_bulk_run(cmd: list[str], output: Path, limit_s: float) -> dict[str, An
     result: dict[str, Any] = {"exit": proc.returncode, "seconds": round(end, 2), "captioned": done}
     if stopped:
         result["stopped_after_s"] = limit_s
-    elif proc.returncode or first is None:
+    if stopped and first is None:  # a limit below the start-up time measures nothing
+        result["error"] = [f"no caption within {limit_s:g} s", *stderr.strip().splitlines()[-2:]]
+    elif not stopped and (proc.returncode or first is None):
         result["error"] = stderr.strip().splitlines()[-3:]
     if first is None or "error" in result:
         return result

@@ -63,3 +63,18 @@ def test_bulk_run_is_not_blocked_by_what_it_writes_to_stderr(tmp_path):
     result = timed_bulk_run([sys.executable, "-c", script], out, limit_s=60)
     assert result["exit"] == 0 and result["captioned"] == 3, result
     assert result["first_caption_s"] < result["seconds"]
+
+
+def test_a_bulk_run_stopped_before_its_first_caption_says_so(tmp_path):
+    """A limit shorter than the start-up stops the run with nothing to measure: the result says
+    that, with the run's last words, instead of a silent rate of nothing."""
+    from benchmarks.gpu_report import timed_bulk_run
+
+    out = tmp_path / "out.jsonl"
+    script = (
+        "import sys, time; print('loading the model', file=sys.stderr, flush=True); time.sleep(30)"
+    )
+    result = timed_bulk_run([sys.executable, "-c", script], out, limit_s=1.5)
+    assert result["captioned"] == 0 and result["stopped_after_s"] == 1.5, result
+    assert result["error"] == ["no caption within 1.5 s", "loading the model"]
+    assert "images_per_s_running" not in result
