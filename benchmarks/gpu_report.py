@@ -103,29 +103,40 @@ def caption_all(captioner, paths: list[str], options: dict, batch: int = 32) -> 
 
 def decoding(paths: list[str], device: str, input_size: int, quick: bool) -> dict[str, Any]:
     """The image-decoding stage alone: files to resized uint8 tensors, images/s, on one core
-    and in the pipeline's worker processes (one per core but one, batches of 128, timed from
-    the first batch on: a long run's rate, not the processes' start)."""
+    and in the pipeline's worker processes (one per core but one, batches of 128), each doing
+    what a worker does (``jpeg_device.load_jpeg``).
+
+    The workers' rate is timed once every worker has handed over its first batch (batch i
+    goes to worker i mod W): a long run's rate, not the processes' start, which
+    ``first_round_s`` gives apart."""
     import os
 
     import torch
 
-    from showattendtell.images import load_batches, load_image
+    from showattendtell.images import load_batches
+    from showattendtell.jpeg_device import load_jpeg
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a worker process
+    load_jpeg(paths[0], input_size)  # imports and first-call costs, as a worker's start
     t0 = time.perf_counter()
-    for p in paths:
-        load_image(p, input_size, normalised=False)
+    for i, p in enumerate(paths):
+        load_jpeg(p, input_size, i)
     out = {"one_core_images_per_s": round(len(paths) / (time.perf_counter() - t0), 1)}
     torch.set_num_threads(threads)
     workers = 0 if quick else max(1, (os.cpu_count() or 1) - 1)
-    many = (paths * (-(-2048 // len(paths))))[: 8 if quick else 2048]
-    batches = load_batches(many, input_size, 4 if quick else 128, workers)
-    next(batches).decoded()  # the processes' start
+    batch = 4 if quick else 128
+    warm, timed = max(workers, 1), (2 if quick else 3) * max(workers, 1)  # batches
+    many = (paths * (-(-(warm + timed) * batch // len(paths))))[: (warm + timed) * batch]
     t0 = time.perf_counter()
+    batches = load_batches(many, input_size, batch, workers)
+    for _ in range(warm):  # every worker started and delivered once
+        next(batches).decoded()
+    t1 = time.perf_counter()
     n = sum(len(b.decoded()) for b in batches)
-    out[f"{workers}_workers_images_per_s"] = round(n / (time.perf_counter() - t0), 1)
-    out["images_after_the_first_batch"] = n
+    out[f"{workers}_workers_images_per_s"] = round(n / (time.perf_counter() - t1), 1)
+    out["first_round_s"] = round(t1 - t0, 2)
+    out["images_timed"] = n
     if device.startswith("cuda"):
         out["nvjpeg_batched_images_per_s"] = nvjpeg_rate(paths, input_size)
     return out
