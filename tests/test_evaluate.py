@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -487,6 +488,64 @@ def test_resume_reuses_only_captions_made_the_same_way(model_file, tmp_path, mon
         f"or damaged; delete {partial} to start again"
     )
     assert partial.read_bytes() == kept
+
+
+def test_a_second_run_on_the_same_output_stops_in_one_line(
+    model_file, tmp_path, monkeypatch, capsys
+):
+    """While a run holds the partial captions (here: a flock taken by this process on its own
+    open of the file, which conflicts with the command's open as another process's would), a
+    second run on that --output, fresh or --resume, exits 2 in one line and leaves both files
+    byte for byte; once the lock goes, --resume goes on."""
+    fcntl = pytest.importorskip("fcntl")
+    from showattendtell import inference
+
+    no_java_needed(monkeypatch)
+    # the model read once: the refused runs read it too (the lock is taken once the --output
+    # name, which may come from the model's, is known)
+    monkeypatch.setattr(inference, "load_model", functools.cache(inference.load_model))
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=4)
+    out, partial = tmp_path / "r.json", tmp_path / "r.json.partial.jsonl"
+    settings = tmp_path / "r.json.partial.json"
+    argv = flickr8k_argv(model_file, root, "--num-workers", "0", output=out)
+    interrupt_after(monkeypatch, 2)
+    assert main(argv) == 130
+    capsys.readouterr()
+    kept = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (partial, settings)}
+    with open(partial, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for extra in ([], ["--resume"]):
+            assert main([*argv, *extra]) == 2
+            assert capsys.readouterr().err.strip() == (
+                f"error: another sat evaluate is writing {partial} (process still running); "
+                "wait for it, or choose another --output"
+            )
+            assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in kept} == kept
+        assert not out.exists()
+    asked = interrupt_after(monkeypatch, 1)
+    assert main([*argv, "--resume"]) == 130
+    assert len(asked) == 1 and len(asked[0]) == 2  # the two left
+    assert "interrupted: 3 of 4 images captioned" in capsys.readouterr().err
+    assert len(partial.read_text().splitlines()) == 3
+
+
+def test_a_run_refused_before_captioning_leaves_no_partial_file(
+    model_file, tmp_path, monkeypatch, capsys
+):
+    """The lock creates the partial file; a run that stops before its first caption (here:
+    its settings cannot be written) removes it again."""
+    from showattendtell.commands import evaluate_captions
+
+    def unwritable(path, data):
+        raise PermissionError(13, "Permission denied")
+
+    no_java_needed(monkeypatch)
+    monkeypatch.setattr(evaluate_captions, "write_json_atomic", unwritable)
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=2)
+    out = tmp_path / "r.json"
+    assert main(flickr8k_argv(model_file, root, "--num-workers", "0", output=out)) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert not (tmp_path / "r.json.partial.jsonl").exists()
 
 
 @needs_java

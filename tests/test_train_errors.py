@@ -196,6 +196,36 @@ def test_a_data_root_that_is_not_there_is_refused_before_any_work(tmp_path, caps
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (
+            ["--data.val_split", "bogus"],
+            "--data.val_split bogus: the splits of flickr8k are train, dev, val, test",
+        ),
+        (
+            ["--data.train_split", "trian"],
+            "--data.train_split trian: the splits of flickr8k are train, dev, val, test",
+        ),
+        (
+            ["--data.dataset", "coco", "--data.root", "{tmp}", "--data.train_split", "restval"],
+            "--data.train_split restval: the splits of the official COCO files are train, val "
+            "(test and restval need Karpathy's dataset_coco.json in {tmp})",
+        ),
+    ],
+)
+def test_a_split_the_dataset_does_not_have_is_refused_before_any_work(
+    options, said, synthetic_flickr, tmp_path, capsys
+):
+    """load_split would refuse it only once the model is built, or the cache being filled."""
+    run_dir, empty = tmp_path / "run", tmp_path / "coco"
+    empty.mkdir()
+    options = [o.replace("{tmp}", str(empty)) for o in options]
+    assert main([*tiny(synthetic_flickr, run_dir), *options]) == 2
+    assert one_error_line(capsys) == f"error: {said.replace('{tmp}', str(empty))}"
+    assert not run_dir.exists()
+
+
 # `sat export CKPT OUT ...`: arguments wrong in ways seen without reading CKPT, and the line
 EXPORT_MISTAKES = [
     (["--interpolate", "{text}"], "{text} is a text file, not a model file: give a model file"),

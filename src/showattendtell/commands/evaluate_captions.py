@@ -98,6 +98,13 @@ class PartialCaptions:
     ``--resume`` reuses the records (caption_output.scan_output checks the file first) when the
     settings are the same. Both files go once the results file is written. An --output that is
     no regular file (/dev/null) keeps none.
+
+    The run holds an exclusive ``fcntl.flock`` on the partial file from ``start`` until the
+    files go (or the run ends), so that a second run on the same --output stops in one line
+    instead of interleaving its records with this run's. The lock is advisory, held by an
+    open file description, and dropped by the kernel when the process ends however it ends:
+    no stale lock file for a later --resume to trip on. The file locked is the partial file
+    itself (created empty when missing, removed again by ``release`` while still empty).
     """
 
     def __init__(self, output: Path) -> None:
@@ -108,16 +115,28 @@ class PartialCaptions:
         self.records: dict[str, dict] = {}  # image id -> its record, read back by --resume
         self.writer = None
         self.written = 0  # records written by this run
+        self.lock = None  # the open partial file that holds the lock
+        self.created = False  # the lock made the partial file: ``release`` removes it if empty
 
     def start(self, settings: dict, resume: bool) -> None:
-        """Before captioning: read back what --resume reuses, or refuse to start again over the
-        captions an interrupted run left (without --resume); then open the file to append."""
-        from showattendtell.caption_output import Writer, open_output
-
+        """Before captioning: lock the partial file, read back what --resume reuses, or refuse
+        to start again over the captions an interrupted run left (without --resume); then open
+        the file to append. A refusal lets the lock go."""
         if self.path is None:
             if resume:
                 raise EvaluateError(f"--resume needs an --output file, not {self.output}")
             return
+        # locked first: a second run on a busy --output is told so, whatever else it asked
+        self._lock()
+        try:
+            self._start(settings, resume)
+        except BaseException:
+            self.release()
+            raise
+
+    def _start(self, settings: dict, resume: bool) -> None:
+        from showattendtell.caption_output import Writer, open_output
+
         left = self.path.is_file() and self.path.stat().st_size > 0
         if left and not resume:
             raise EvaluateError(
@@ -168,6 +187,49 @@ class PartialCaptions:
                 self.records[rec["path"]] = rec
         return settings, point
 
+    def _lock(self) -> None:
+        """Take the lock on the partial file, or refuse: another run holds it. The file locked
+        must still be the one at ``path``: a run that ended between this run's open and its
+        lock has removed it, and a new file there is locked anew."""
+        try:
+            import fcntl
+        except ImportError:  # Windows has no flock: runs there are not guarded
+            return
+        for _ in range(5):
+            self.created = not self.path.exists()
+            try:
+                self.lock = open(self.path, "ab")  # noqa: SIM115 - closed by release
+            except OSError as e:
+                raise EvaluateError(f"cannot write {self.path}: {e.strerror or e}") from None
+            try:
+                fcntl.flock(self.lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                break
+            except OSError:  # a file system without locks (some network mounts): go on unlocked
+                return
+            if _same_file(self.lock, self.path):
+                return
+            self.lock.close()
+        self.lock.close()
+        self.lock, self.created = None, False
+        raise EvaluateError(
+            f"another sat evaluate is writing {self.path} (process still running); wait for "
+            "it, or choose another --output"
+        )
+
+    def release(self) -> None:
+        """Let another run have the partial file: closing it drops the lock. A partial file
+        that the lock made and nothing was written to goes too."""
+        if self.lock is None:
+            return
+        try:
+            if self.created and os.fstat(self.lock.fileno()).st_size == 0:
+                self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        self.lock.close()
+        self.lock = None
+
     def write(self, rec) -> None:
         if self.writer is not None:
             self.writer.write(rec)
@@ -178,12 +240,16 @@ class PartialCaptions:
             self.writer.stream.close()
 
     def remove(self) -> None:
+        """Remove both files, then the lock: no other run can start on them in between."""
         for path in (self.path, self.settings_path):
             if path is not None:
                 path.unlink(missing_ok=True)
+        self.created = False  # a file at the path now is another run's
+        self.release()
 
     def interrupted(self, e: KeyboardInterrupt, done: int, total: int, args) -> int:
         """Say what is kept and how to go on; the exit status (130 Ctrl-C, 143 SIGTERM)."""
+        self.release()
         if self.path is None:
             print(f"interrupted: {done} of {total} images captioned, not kept", file=sys.stderr)
         else:
@@ -200,6 +266,15 @@ class PartialCaptions:
                 file=sys.stderr,
             )
         return 143 if isinstance(e, Terminated) else 130
+
+
+def _same_file(stream, path: Path) -> bool:
+    """``stream`` is the file at ``path`` (not one removed from there since it was opened)."""
+    try:
+        now, held = path.stat(), os.fstat(stream.fileno())
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def settings(args: argparse.Namespace, captioner, decoding: dict, attention: bool) -> dict:

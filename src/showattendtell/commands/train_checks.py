@@ -52,6 +52,26 @@ def check_data_settings(data) -> None:
     root = data.get("root")
     if root:
         check_dataset_root("--data.root", root, data.get("dataset"))
+        check_split_names(data)
+
+
+def check_split_names(data) -> None:
+    """--data.train_split and --data.val_split name splits of the dataset in --data.root, said
+    before any work: load_split would refuse a bogus one only once the data is read, after the
+    model is built. The names are the ones `sat evaluate --split` takes (check_split_name):
+    Flickr8k's, Karpathy's, or COCO's official train and val without dataset_coco.json. An
+    unknown --data.dataset is left to the reader."""
+    from showattendtell.data.datasets import DATASETS
+
+    dataset = data.get("dataset")
+    if dataset not in DATASETS:
+        return
+    from showattendtell.commands.evaluate import check_split_name
+
+    for option in ("train_split", "val_split"):
+        split = data.get(option)
+        if split is not None:
+            check_split_name(f"--data.{option}", dataset, data["root"], split)
 
 
 # what each dataset's folder holds (data/README.md), said when a dataset folder option is wrong
