@@ -4,8 +4,10 @@ only thing a resume may remove is one partial last record."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -374,16 +376,20 @@ def test_resume_tells_apart_two_names_that_print_alike(
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
 
 
-MADE_BY = {  # the tests' tiny model at --beam-size 1: its stored settings for the rest
-    "model": "tiny",
-    "decoding": {
-        "beam_size": 1,
-        "max_length": 8,
-        "length_penalty": 0.0,
-        "no_repeat_ngram": 0,
-        "precision": "32",
-    },
+DECODING = {  # the tests' tiny model at --beam-size 1: its stored settings for the rest
+    "beam_size": 1,
+    "max_length": 8,
+    "length_penalty": 0.0,
+    "no_repeat_ngram": 0,
+    "precision": "32",
+    "decode_on": "cpu",
 }
+
+
+def made_by(model_file: Path) -> dict:
+    """What a record of `sat caption --model MODEL_FILE --beam-size 1` says made it."""
+    digest = hashlib.sha256(model_file.read_bytes()).hexdigest()
+    return {"model": model_file.stem, "model_sha256": digest, "decoding": DECODING}
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv"])
@@ -397,7 +403,7 @@ def test_resume_adds_no_captions_of_another_model_or_other_options(
     name = f"out.{fmt}"
     out = tmp_path / name
     assert caption(tmp_path, monkeypatch, tiny_model_file, *images[:2], "-o", name) == 0
-    assert scan_output(out, fmt, False).made_by == [MADE_BY]
+    assert scan_output(out, fmt, False).made_by == [made_by(tiny_model_file)]
     before = out.read_bytes()
     capsys.readouterr()
     soft = ("--model", str(tiny_model_file))
@@ -428,7 +434,8 @@ def test_resume_adds_no_captions_of_another_model_or_other_options(
     assert main(["caption", *images, "-o", name, "--resume", "--workers", "0", *same]) == 0
     assert out.read_bytes().startswith(before)
     point = scan_output(out, fmt, False)
-    assert point.made_by == [MADE_BY] and point.unmarked == 0 and sum(point.done.values()) == 3
+    want = [made_by(tiny_model_file)]
+    assert point.made_by == want and point.unmarked == 0 and sum(point.done.values()) == 3
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv"])
@@ -458,18 +465,49 @@ def test_resume_continues_a_file_that_does_not_say_what_made_it(
     new = data[len(old) :].decode().splitlines()
     assert data.startswith(old) and len(new) == 2
     if fmt == "jsonl":  # the new records say it
-        assert [{k: json.loads(x)[k] for k in MADE_BY} for x in new] == [MADE_BY] * 2
+        want = made_by(tiny_model_file)
+        assert [{k: json.loads(x)[k] for k in want} for x in new] == [want] * 2
     else:  # the file's own layout is kept
         assert [len(row) for row in csv.reader(new)] == [7, 7]
 
 
 def test_resume_compares_the_decoding_options_both_name():
-    ours = {"model": "m", "decoding": {"beam_size": 3, "added_later": 1}}
-    older = {"model": "m", "decoding": {"beam_size": 3}}  # from before "added_later"
+    ours = {"model": "m", "model_sha256": "ab" * 32, "decoding": {"beam_size": 3, "new": 1}}
+    older = {"model": "m", "decoding": {"beam_size": 3}}  # from before "new" and the digest
     check_made_by(Path("o.jsonl"), [older], ours)
     mixed = [older, {"model": "m", "decoding": {"beam_size": 1}}]  # e.g. two files joined
     with pytest.raises(OutputError, match="made with model m, --beam-size 1; this run"):
         check_made_by(Path("o.jsonl"), mixed, ours)
+    gpu = {**ours, "decoding": {**ours["decoding"], "decode_on": "gpu"}}
+    with pytest.raises(OutputError, match="made with model m, --decode-on gpu; this run"):
+        check_made_by(
+            Path("o.jsonl"), [gpu], {**ours, "decoding": {**gpu["decoding"], "decode_on": "cpu"}}
+        )
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_resume_tells_two_model_files_of_one_name_apart(
+    fmt, images, tiny_model_file, tiny_hard_model_file, tmp_path, monkeypatch, capsys
+):
+    """Two trainings exported under one name (runs/a/best.safetensors, runs/b/...): the
+    records carry the file's SHA-256, and --resume with the other file is refused."""
+    other = tmp_path / "other" / tiny_model_file.name
+    other.parent.mkdir()
+    shutil.copy(tiny_hard_model_file, other)  # another model, the same name
+    name = f"out.{fmt}"
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images[:2], "-o", name) == 0
+    before = (tmp_path / name).read_bytes()
+    capsys.readouterr()
+    assert caption(tmp_path, monkeypatch, other, *images, "-o", name, "--resume") == 2
+    ours, theirs = (
+        hashlib.sha256(f.read_bytes()).hexdigest()[:12] for f in (other, tiny_model_file)
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: --resume: {name} holds captions made with model tiny (file SHA-256 {theirs}...); "
+        f"this run would add captions made with model tiny (file SHA-256 {ours}...): "
+    )
+    assert (tmp_path / name).read_bytes() == before
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import warnings
@@ -13,7 +14,7 @@ from synthetic import make_example
 
 from showattendtell import caption_images, load_model
 from showattendtell.images import preprocess
-from showattendtell.inference import CaptionResult, finite_or_none, resolve_device
+from showattendtell.inference import Captioner, CaptionResult, finite_or_none, resolve_device
 
 
 def test_finite_or_none():
@@ -159,10 +160,19 @@ def test_made_by_names_the_model_and_the_decoding_options_that_apply(
     stored = {"beam_size": 3, "max_length": 8, "length_penalty": 0.0, "no_repeat_ngram": 0}
     stored["precision"] = "32"
     soft = load_model(tiny_model_file, "cpu")
-    assert soft.made_by() == {"model": "tiny", "decoding": stored}
+    digest = hashlib.sha256(tiny_model_file.read_bytes()).hexdigest()
+    assert soft.made_by() == {"model": "tiny", "model_sha256": digest, "decoding": stored}
     assert soft.made_by(beam_size=1, hard_mode="sample")["decoding"] == {**stored, "beam_size": 1}
     hard = load_model(tiny_hard_model_file, "cpu", "bf16")
     assert hard.made_by(hard_mode="sample") == {
         "model": "tiny_hard",
+        "model_sha256": hashlib.sha256(tiny_hard_model_file.read_bytes()).hexdigest(),
         "decoding": {**stored, "hard_mode": "sample", "precision": "bf16"},
     }
+    both = load_model(f"{tiny_model_file}+{tiny_hard_model_file}", "cpu").made_by()
+    assert both["model"] == "tiny+tiny_hard" and both["model_sha256"].split("+") == [
+        digest,
+        hard.made_by()["model_sha256"],
+    ]
+    in_memory = Captioner(soft.model, soft.decoding, "cpu", name="tiny")  # no file to name
+    assert in_memory.made_by() == {"model": "tiny", "decoding": stored}

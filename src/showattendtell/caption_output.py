@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 FORMATS = ("jsonl", "csv")
 SUFFIXES = {".jsonl": "jsonl", ".csv": "csv"}  # the format of an --output without --format
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip")  # names that promise what is not written
-MADE_BY_FIELDS = ("model", "decoding")  # what made a caption: Captioner.made_by
+MADE_BY_FIELDS = ("model", "decoding", "model_sha256")  # what made a caption: Captioner.made_by
 CSV_FIELDS = (
     "path",
     "caption",
@@ -48,6 +48,7 @@ ATTENTION_FIELDS = ("attention", "locations")
 _CSV_BEFORE_WARNINGS = CSV_FIELDS[:5]  # files written before the warning column; still resumable
 _CSV_BEFORE_FAMILIARITY = CSV_FIELDS[:6]  # and before the familiarity column (familiarity.py)
 _CSV_BEFORE_MADE_BY = CSV_FIELDS[:7]  # and before the model and decoding columns
+_CSV_BEFORE_SHA256 = CSV_FIELDS[:9]  # and before the model_sha256 column
 JSONL_RECORD_START = '{"path": '  # how every JSON line we write begins
 
 
@@ -197,12 +198,16 @@ class ResumePoint:
     made_by: list[dict] = field(default_factory=list)
     unmarked: int = 0
 
-    def saw(self, model: object, decoding: object) -> None:
-        """One caption record's ``model`` and ``decoding`` fields (None or "": not there)."""
+    def saw(self, model: object, decoding: object, sha256: object = None) -> None:
+        """One caption record's ``model``, ``decoding`` and ``model_sha256`` fields (None or
+        "": not there)."""
         if not isinstance(model, str) or not model:
             self.unmarked += 1
             return
-        made_by = {"model": model, "decoding": decoding if isinstance(decoding, dict) else {}}
+        made_by: dict = {"model": model}
+        if isinstance(sha256, str) and sha256:
+            made_by["model_sha256"] = sha256
+        made_by["decoding"] = decoding if isinstance(decoding, dict) else {}
         if made_by not in self.made_by:
             self.made_by.append(made_by)
 
@@ -245,7 +250,7 @@ def _scan_jsonl(path: Path, text: str, with_attention: bool) -> ResumePoint:
             path, "caption" in rec and ("attention" in rec) != with_attention, with_attention
         )
         if "caption" in rec:
-            point.saw(rec.get("model"), rec.get("decoding"))
+            point.saw(rec.get("model"), rec.get("decoding"), rec.get("model_sha256"))
         point.done[rec["path"]] += 1
     ours = tail.startswith(JSONL_RECORD_START) or JSONL_RECORD_START.startswith(tail)
     if not ours:  # a last line without a newline that is not the start of one of our records
@@ -299,7 +304,12 @@ def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
     layouts = [csv_fields(a) for a in (False, True)]
     layouts += [
         old + extra
-        for old in (_CSV_BEFORE_WARNINGS, _CSV_BEFORE_FAMILIARITY, _CSV_BEFORE_MADE_BY)
+        for old in (
+            _CSV_BEFORE_WARNINGS,
+            _CSV_BEFORE_FAMILIARITY,
+            _CSV_BEFORE_MADE_BY,
+            _CSV_BEFORE_SHA256,
+        )
         for extra in ((), ATTENTION_FIELDS)
     ]
     header = "\n".join(",".join(f) for f in layouts)
@@ -329,15 +339,15 @@ def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
 
 
 def _saw_csv_row(point: ResumePoint, row: dict[str, str]) -> None:
-    """A CSV row's part in ``point.made_by``: a caption (no error) with its model and decoding
-    cells, empty in a file written before those columns."""
+    """A CSV row's part in ``point.made_by``: a caption (no error) with its model, decoding
+    and model_sha256 cells, empty in a file written before those columns."""
     if row["error"]:
         return
     try:
         decoding = json.loads(row.get("decoding") or "{}")
     except ValueError:
         decoding = None
-    point.saw(row.get("model"), decoding)
+    point.saw(row.get("model"), decoding, row.get("model_sha256"))
 
 
 def _check_attention(path: Path, mismatch: bool, with_attention: bool) -> None:
@@ -354,27 +364,37 @@ def check_made_by(path: Path, found: list[dict], ours: dict) -> None:
     """Refuse (OutputError, exit 2) to add this run's captions, made as ``ours`` says
     (``Captioner.made_by``), to a file holding captions another model or other decoding
     options made (``found``: ``ResumePoint.made_by``): the file would mix them without a
-    word. Decoding options are compared where both name them (an option added by a later
-    version is missing from older records)."""
+    word. The model file's SHA-256 and the decoding options are compared where both name
+    them (records written by an earlier version lack some)."""
     for theirs in found:
         keys = [k for k in theirs["decoding"] if k in ours["decoding"]]
         differ = [k for k in keys if theirs["decoding"][k] != ours["decoding"][k]]
-        if theirs["model"] == ours["model"] and not differ:
+        digests = theirs.get("model_sha256"), ours.get("model_sha256")
+        other_file = None not in digests and digests[0] != digests[1]
+        if theirs["model"] == ours["model"] and not differ and not other_file:
             continue
+        other_file = other_file and theirs["model"] == ours["model"]  # names alone tell them
         raise OutputError(
-            f"--resume: {path} holds captions made with {_made_with(theirs, differ)}; this "
-            f"run would add captions made with {_made_with(ours, differ)}: give the same "
-            "--model and decoding options to continue it, or write a new file (another "
-            "--output, or --overwrite instead of --resume)"
+            f"--resume: {path} holds captions made with {_made_with(theirs, differ, other_file)}"
+            f"; this run would add captions made with {_made_with(ours, differ, other_file)}: "
+            "give the same --model and decoding options to continue it, or write a new file "
+            "(another --output, or --overwrite instead of --resume)"
         )
 
 
-def _made_with(made_by: dict, options: list[str]) -> str:
-    """'model tiny, --beam-size 1': the model and the given decoding options, as flags."""
+def _made_with(made_by: dict, options: list[str], by_file: bool = False) -> str:
+    """'model tiny, --beam-size 1': the model and the given decoding options, as flags;
+    ``by_file``: the model with the start of its file's SHA-256, where two files share a name."""
     parts = [f"model {made_by['model']}"]
+    if by_file:
+        parts[0] += f" (file SHA-256 {made_by['model_sha256'][:12]}...)"
     for name in options:
         value = made_by["decoding"][name]
-        flag = DECODING_OPTIONS[name].flag if name in DECODING_OPTIONS else f"--{name}"
+        flag = (
+            DECODING_OPTIONS[name].flag
+            if name in DECODING_OPTIONS
+            else f"--{name.replace('_', '-')}"
+        )
         parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
     return ", ".join(parts)
 

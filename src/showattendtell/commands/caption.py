@@ -592,6 +592,7 @@ def _caption(
             "--decode-on gpu needs a CUDA GPU (--device cuda); without one, leave it out"
         )
     made_by = captioner.made_by(**decoding)
+    made_by["decoding"]["decode_on"] = args.decode_on  # nvJPEG's pixels change some captions
     if plan.made_by:  # --resume; checked only now: the model file holds the defaults
         try:
             check_made_by(Path(args.output), plan.made_by, made_by)
