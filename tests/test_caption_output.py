@@ -542,3 +542,25 @@ def test_the_output_format_follows_the_suffix_or_format():
     assert output_format(None, None) == "jsonl"  # standard output
     with pytest.raises(OutputError, match="--format must be one of jsonl, csv, not 'xml'"):
         output_format("x.jsonl", "xml")
+
+
+def test_resume_continues_a_csv_written_before_the_sha256_column(
+    images, tiny_model_file, tmp_path, monkeypatch
+):
+    """A CSV with the model and decoding columns but no model_sha256 (an earlier version's):
+    compared by name and options, continued in its own layout."""
+    out = tmp_path / "old.csv"
+    decoding = {k: v for k, v in DECODING.items() if k != "decode_on"}  # not recorded then
+    header = "path,caption,score,log_prob,error,warning,familiarity,model,decoding\n"
+    row = [images[0], "a circle", "-1", "-1", "", "", "", "tiny", json.dumps(decoding)]
+    with out.open("w", newline="") as f:
+        f.write(header)
+        csv.writer(f, lineterminator="\n").writerow(row)
+    old = out.read_bytes()
+    assert (
+        caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", "old.csv", "--resume") == 0
+    )
+    data = out.read_bytes()
+    new = list(csv.reader(data[len(old) :].decode().splitlines()))
+    assert data.startswith(old) and len(new) == len(images) - 1
+    assert {len(r) for r in new} == {9} and {r[7] for r in new} == {"tiny"}
