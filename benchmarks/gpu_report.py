@@ -104,7 +104,9 @@ def caption_all(captioner, paths: list[str], options: dict, batch: int = 32) -> 
 def decoding(paths: list[str], device: str, input_size: int, quick: bool) -> dict[str, Any]:
     """The image-decoding stage alone: files to resized uint8 tensors, images/s, on one core
     and in the pipeline's worker processes (one per core but one, batches of 128), each doing
-    what a worker does (``jpeg_device.load_jpeg``).
+    what a worker does (``jpeg_device.load_jpeg``); and the handing over of JPEGs' bytes
+    alone, as for ``--decode-on gpu`` (``jpeg_bytes_``). With each rate, the main process's
+    CPU time a photo: receiving the batches is its share of the work.
 
     The workers' rate is timed once every worker has handed over its first batch (batch i
     goes to worker i mod W): a long run's rate, not the processes' start, which
@@ -113,7 +115,6 @@ def decoding(paths: list[str], device: str, input_size: int, quick: bool) -> dic
 
     import torch
 
-    from showattendtell.images import load_batches
     from showattendtell.jpeg_device import load_jpeg
 
     threads = torch.get_num_threads()
@@ -122,24 +123,49 @@ def decoding(paths: list[str], device: str, input_size: int, quick: bool) -> dic
     t0 = time.perf_counter()
     for i, p in enumerate(paths):
         load_jpeg(p, input_size, i)
-    out = {"one_core_images_per_s": round(len(paths) / (time.perf_counter() - t0), 1)}
+    out: dict[str, Any] = {
+        "one_core_images_per_s": round(len(paths) / (time.perf_counter() - t0), 1)
+    }
     torch.set_num_threads(threads)
     workers = 0 if quick else max(1, (os.cpu_count() or 1) - 1)
+    out["workers"] = workers
+    for prefix, on_device in (("", False), ("jpeg_bytes_", True)):
+        rates = _loader_rate(paths, input_size, workers, quick, on_device)
+        out.update({prefix + k: v for k, v in rates.items()})
+    if device.startswith("cuda"):
+        out["nvjpeg_batched_images_per_s"] = nvjpeg_rate(paths, input_size)
+    return out
+
+
+def _loader_rate(
+    paths: list[str], input_size: int, workers: int, quick: bool, jpeg_on_device: bool
+) -> dict[str, Any]:
+    """``load_batches`` over the photos repeated: images/s and main-process CPU ms a photo
+    once every worker has delivered a batch; the seconds until then."""
+    import resource
+
+    from showattendtell.images import load_batches
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
     batch = 4 if quick else 128
     warm, timed = max(workers, 1), (2 if quick else 3) * max(workers, 1)  # batches
     many = (paths * (-(-(warm + timed) * batch // len(paths))))[: (warm + timed) * batch]
     t0 = time.perf_counter()
-    batches = load_batches(many, input_size, batch, workers)
+    batches = load_batches(many, input_size, batch, workers, jpeg_on_device=jpeg_on_device)
     for _ in range(warm):  # every worker started and delivered once
         next(batches).decoded()
-    t1 = time.perf_counter()
-    n = sum(len(b.decoded()) for b in batches)
-    out[f"{workers}_workers_images_per_s"] = round(n / (time.perf_counter() - t1), 1)
-    out["first_round_s"] = round(t1 - t0, 2)
-    out["images_timed"] = n
-    if device.startswith("cuda"):
-        out["nvjpeg_batched_images_per_s"] = nvjpeg_rate(paths, input_size)
-    return out
+    t1, c1 = time.perf_counter(), cpu()
+    n = sum(len(b.items) for b in batches)
+    seconds = time.perf_counter() - t1
+    return {
+        "images_per_s": round(n / seconds, 1),
+        "main_cpu_ms_per_image": round((cpu() - c1) / n * 1e3, 3),
+        "first_round_s": round(t1 - t0, 2),
+        "images_timed": n,
+    }
 
 
 def nvjpeg_rate(paths: list[str], input_size: int) -> float | str:

@@ -211,3 +211,28 @@ def test_a_file_gone_after_its_header_was_read_is_an_error_record(tmp_path, monk
         )
         item = read(path, 16)
         assert item.error == "gone" and item.tensor is None and item.jpeg is None
+
+
+@pytest.mark.filterwarnings("ignore:.*TorchCodec")  # torchvision 0.29's notice
+def test_a_batch_leaves_a_decoding_process_as_one_tensor_of_each_kind(tmp_path):
+    """Each tensor a decoding process hands over costs its own shared-memory file and a
+    descriptor fetched over a socket: a batch's pixels and its JPEGs' bytes go as one tensor
+    each, whatever the number of photos, and the JPEGs come back byte for byte."""
+    from showattendtell.images import collate_images
+
+    jpegs = [quadrants(tmp_path / f"{i}.jpg", 1 + i) for i in range(5)]
+    Image.open(jpegs[0]).save(tmp_path / "a.png")  # decoded by the process: pixels
+    paths = [str(p) for p in (*jpegs[:2], tmp_path / "a.png", *jpegs[2:])]
+    for workers, on_device in ((0, False), (1, True)):
+        items = [read_jpeg(p, 16, i) if on_device else load_image(p, 16, i, False)
+                 for i, p in enumerate(paths)]  # fmt: skip
+        batch = collate_images(items)
+        assert all(x.tensor is None and x.jpeg is None for x in batch.items)
+        assert batch.tensors.shape[0] == (1 if on_device else len(paths))
+        (loaded,) = list(load_batches(paths, 16, len(paths), workers, jpeg_on_device=on_device))
+        images = loaded.images(CPU, 16)
+        assert images.shape == (len(paths), 3, 16, 16)
+        if on_device:
+            assert batch.jpegs.numel() == sum(p.stat().st_size for p in jpegs)
+            sent = [bytes(x.jpeg.numpy()) for x in loaded.items if x.jpeg is not None]
+            assert sent == [p.read_bytes() for p in jpegs]
