@@ -297,8 +297,8 @@ class ImageBatch:
 
     Why whole-batch tensors: a decoding process hands each tensor over in its own shared-memory
     file, whose descriptor the main process fetches over a socket. With a tensor per photo the
-    main process spent 0.64 ms a photo receiving them, which caps a GPU's rate near 1,500
-    photos/s; with the batch's tensors 0.035 ms (`benchmarks/gpu_report.py --device cpu
+    main process spent 0.64 ms a photo receiving them, at most about 1,560 photos/s for a
+    GPU to caption; with the batch's tensors 0.035 ms (`benchmarks/gpu_report.py --device cpu
     --parts decoding`, 2 cores, ``main_cpu_ms_per_image``).
     """
 
