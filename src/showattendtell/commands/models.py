@@ -23,16 +23,24 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from showattendtell.model_file import describe_model
+    """The table (or JSON lines). A $SAT_MODEL that names no model file, missing or not a
+    model, is a warning here and left out: the list is what a user reads to mend it."""
+    from showattendtell.catalog import env_model
+    from showattendtell.model_file import ModelFileError, describe_model
 
     default = None
     try:
         default = default_model_path()
-    except ModelNotFound as e:
+    except (ModelNotFound, ModelFileError) as e:
         print(f"warning: {e}", file=sys.stderr)
     rows = []
     for name, path in named_models().items():
-        d = describe_model(path)
+        try:
+            d = describe_model(path)
+        except ModelFileError:
+            if path == env_model():  # warned about above
+                continue
+            raise
         d = {"name": name, "default": path == default, **d, "path": str(path)}
         rows.append(d)
     if args.json:
