@@ -73,6 +73,49 @@ def test_encode_files_gives_the_grids_of_the_decoded_inputs(tiny_model_file, tmp
     assert seen == paths
 
 
+def test_the_model_warms_up_while_the_decoding_processes_start(
+    tiny_model_file, tmp_path, monkeypatch
+):
+    """Where decoding processes feed a GPU, the model captions a blank batch of the first
+    batch's shape after they were started and before the first batch is asked of them, so
+    that its first-call costs overlap their start; the captions are the same."""
+    paths = write_inputs(tmp_path)
+    captioner = load_model(tiny_model_file, "cpu")
+    plain = [r.result and r.result.caption for r in
+             caption_files(captioner, paths, batch_size=2, workers=1, beam_size=1)]  # fmt: skip
+    events = []
+    real_load, real_encode = pipeline.load_batches, captioner.encode
+
+    def load_batches(*a, **kw):
+        batches = real_load(*a, **kw)
+        events.append("processes started")
+
+        def asked():
+            for batch in batches:
+                events.append("batch")
+                yield batch
+
+        return asked()
+
+    def encode(images):
+        blank = bool((images.amax(dim=(0, 2, 3)) == images.amin(dim=(0, 2, 3))).all())
+        events.append(("encode", tuple(images.shape), blank))
+        return real_encode(images)
+
+    monkeypatch.setattr(pipeline, "load_batches", load_batches)
+    monkeypatch.setattr(captioner, "encode", encode)
+    monkeypatch.setattr(pipeline, "WARM_UP_DEVICES", {"cpu"})
+    warm = [r.result and r.result.caption for r in
+            caption_files(captioner, paths, batch_size=2, workers=1, beam_size=1)]  # fmt: skip
+    assert warm == plain
+    s = captioner.input_size
+    assert events[:3] == ["processes started", ("encode", (2, 3, s, s), True), "batch"]
+    assert not any(e[2] for e in events[3:] if isinstance(e, tuple))  # photos from then on
+    events.clear()
+    list(caption_files(captioner, paths, batch_size=2, workers=0, beam_size=1))
+    assert not any(e[2] for e in events if isinstance(e, tuple))  # no processes to wait for
+
+
 def test_lanes_run_batches_at_once_in_order_on_a_share_of_the_threads():
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -435,7 +435,8 @@ def load_batches(
     """Batches of decoded, resized uint8 images in input order, decoded by ``workers``
     processes (``normalise`` them where they are used); the last ``lanes`` batches share the
     remainder (``batch_indices``). ``jpeg_on_device``: JPEGs are left to
-    ``ImageBatch.images`` to decode on the GPU."""
+    ``ImageBatch.images`` to decode on the GPU. The processes start, and decode ahead, at
+    once, not at the first batch asked for: the caller's own start-up work overlaps theirs."""
     loader = DataLoader(
         ImageFiles(paths, input_size, jpeg_on_device),
         batch_sampler=batch_indices(len(paths), batch_size, lanes),
@@ -446,7 +447,7 @@ def load_batches(
         persistent_workers=False,
         worker_init_fn=quiet_when_orphaned,
     )
-    yield from loader
+    return iter(loader)
 
 
 def quiet_when_orphaned(worker_id: int) -> None:
