@@ -39,6 +39,7 @@ there (benchmarks/README.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,37 +205,52 @@ def nvjpeg_rate(paths: list[str], input_size: int) -> float | str:
 def startup(photo: str, device: str, runs: int) -> dict[str, Any]:
     """`sat caption PHOTO`: the command to the printed caption, seconds (median). On a GPU
     machine as a user runs it (``--device auto`` captions a few photos on the CPU) and with
-    ``--device cuda`` (what starting the GPU costs).
-
-    Each timing follows one untimed run, with Python's bytecode cache in a folder of its own
-    (PYTHONPYCACHEPREFIX, and PYTHONDONTWRITEBYTECODE unset): an installed package has its
-    bytecode cached, but where Python writes none (that variable set, or a read-only
-    environment: on the H100 machine every start compiled 2.6 s of sources) the report would
-    time compiling instead of starting."""
-    with tempfile.TemporaryDirectory(prefix="gpu_report_pycache_") as cache:
-        if not device.startswith("cuda"):
-            return _startup_times(photo, ["--device", device], runs, cache)
-        result = _startup_times(photo, [], runs, cache)
-        if "error" not in result:
-            result["cuda"] = _startup_times(photo, ["--device", device], runs, cache)
-        return result
+    ``--device cuda`` (what starting the GPU costs). Each is timed after one untimed run,
+    which fills the report's bytecode cache (``bytecode_cache``) where earlier parts did not."""
+    if not device.startswith("cuda"):
+        return _startup_times(photo, ["--device", device], runs)
+    result = _startup_times(photo, [], runs)
+    if "error" not in result:
+        result["cuda"] = _startup_times(photo, ["--device", device], runs)
+    return result
 
 
-def _startup_times(photo: str, options: list[str], runs: int, cache: str) -> dict[str, Any]:
-    import os
-
+def _startup_times(photo: str, options: list[str], runs: int) -> dict[str, Any]:
     sat = [sys.executable, "-m", "showattendtell.cli", "caption", photo, *options]
-    env = {**os.environ, "PYTHONPYCACHEPREFIX": cache}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
     times = []
-    for i in range(runs + 1):  # the first, untimed, fills the bytecode cache
+    for i in range(runs + 1):  # the first is not timed
         t0 = time.perf_counter()
-        proc = subprocess.run(sat, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        proc = subprocess.run(sat, cwd=ROOT, capture_output=True, text=True, timeout=300)
         if i:
             times.append(time.perf_counter() - t0)
         if proc.returncode != 0:
             return {"error": proc.stderr.strip().splitlines()[-1:]}
     return {"median_s": round(statistics.median(times), 2), "runs_s": [round(t, 2) for t in times]}
+
+
+@contextlib.contextmanager
+def bytecode_cache() -> Iterator[None]:
+    """Python's bytecode cached for the report's processes, in a folder of the report's own.
+
+    Why: where Python writes no bytecode (PYTHONDONTWRITEBYTECODE, or a read-only environment,
+    as on the H100 machine), every process compiles each module it imports at its start: each
+    `sat caption` 2.6 s there, and each decoding process torchvision's sources, whereas an
+    installed package has its bytecode cached. The processes the report starts (benchmarks,
+    `sat caption`, and their decoding processes) then time captioning, not compiling."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    with tempfile.TemporaryDirectory(prefix="gpu_report_pycache_") as cache:
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = cache
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def sat_train(paths: list[str], device: str, quick: bool) -> dict[str, Any]:
@@ -476,17 +493,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sat_train": lambda: sat_train(paths, dev, q),
         "bulk": lambda: bulk(paths, dev, 8 if q else args.bulk, q, args.bulk_limit_s),
     }
-    for name in PARTS:
-        if name not in args.parts:
-            continue
-        t0 = time.perf_counter()
-        try:
-            report[name] = parts[name]()
-        except Exception as e:  # noqa: BLE001 - one part failing must not lose the others
-            report[name] = {"error": f"{type(e).__name__}: {e}"}
-        print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        if args.output:
-            Path(args.output).write_text(json.dumps(report) + "\n")
+    with bytecode_cache():
+        for name in PARTS:
+            if name not in args.parts:
+                continue
+            t0 = time.perf_counter()
+            try:
+                report[name] = parts[name]()
+            except Exception as e:  # noqa: BLE001 - one part failing must not lose the others
+                report[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            if args.output:
+                Path(args.output).write_text(json.dumps(report) + "\n")
     print(json.dumps(report), flush=True)
     return report
 
