@@ -371,12 +371,13 @@ def check_made_by(path: Path, found: list[dict], ours: dict) -> None:
         differ = [k for k in keys if theirs["decoding"][k] != ours["decoding"][k]]
         digests = theirs.get("model_sha256"), ours.get("model_sha256")
         other_file = None not in digests and digests[0] != digests[1]
-        if theirs["model"] == ours["model"] and not differ and not other_file:
+        same_name = theirs["model"] == ours["model"]
+        if same_name and not differ and not other_file:
             continue
-        other_file = other_file and theirs["model"] == ours["model"]  # names alone tell them
+        digest = other_file and same_name  # where the names alone do not tell them apart
         raise OutputError(
-            f"--resume: {path} holds captions made with {_made_with(theirs, differ, other_file)}"
-            f"; this run would add captions made with {_made_with(ours, differ, other_file)}: "
+            f"--resume: {path} holds captions made with {_made_with(theirs, differ, digest)}"
+            f"; this run would add captions made with {_made_with(ours, differ, digest)}: "
             "give the same --model and decoding options to continue it, or write a new file "
             "(another --output, or --overwrite instead of --resume)"
         )
