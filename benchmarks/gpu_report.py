@@ -238,19 +238,14 @@ def bytecode_cache() -> Iterator[None]:
     installed package has its bytecode cached. The processes the report starts (benchmarks,
     `sat caption`, and their decoding processes) then time captioning, not compiling."""
     import os
+    from unittest import mock
 
-    saved = {k: os.environ.get(k) for k in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
-    with tempfile.TemporaryDirectory(prefix="gpu_report_pycache_") as cache:
+    with (
+        tempfile.TemporaryDirectory(prefix="gpu_report_pycache_") as cache,
+        mock.patch.dict(os.environ, {"PYTHONPYCACHEPREFIX": cache}),  # restored after
+    ):
         os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-        os.environ["PYTHONPYCACHEPREFIX"] = cache
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        yield
 
 
 def sat_train(paths: list[str], device: str, quick: bool) -> dict[str, Any]:
