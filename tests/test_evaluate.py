@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -496,14 +495,14 @@ def test_a_second_run_on_the_same_output_stops_in_one_line(
     """While a run holds the partial captions (here: a flock taken by this process on its own
     open of the file, which conflicts with the command's open as another process's would), a
     second run on that --output, fresh or --resume, exits 2 in one line and leaves both files
-    byte for byte; once the lock goes, --resume goes on."""
+    byte for byte, before the model loads; once the lock goes, --resume goes on."""
     fcntl = pytest.importorskip("fcntl")
     from showattendtell import inference
 
     no_java_needed(monkeypatch)
-    # the model read once: the refused runs read it too (the lock is taken once the --output
-    # name, which may come from the model's, is known)
-    monkeypatch.setattr(inference, "load_model", functools.cache(inference.load_model))
+    loads = []
+    load = inference.load_model
+    monkeypatch.setattr(inference, "load_model", lambda *a, **k: loads.append(a) or load(*a, **k))
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=4)
     out, partial = tmp_path / "r.json", tmp_path / "r.json.partial.jsonl"
     settings = tmp_path / "r.json.partial.json"
@@ -514,6 +513,7 @@ def test_a_second_run_on_the_same_output_stops_in_one_line(
     kept = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (partial, settings)}
     with open(partial, "rb") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        loads.clear()
         for extra in ([], ["--resume"]):
             assert main([*argv, *extra]) == 2
             assert capsys.readouterr().err.strip() == (
@@ -521,7 +521,7 @@ def test_a_second_run_on_the_same_output_stops_in_one_line(
                 "wait for it, or choose another --output"
             )
             assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in kept} == kept
-        assert not out.exists()
+        assert not out.exists() and loads == []  # refused before the model loaded
     asked = interrupt_after(monkeypatch, 1)
     assert main([*argv, "--resume"]) == 130
     assert len(asked) == 1 and len(asked[0]) == 2  # the two left

@@ -128,15 +128,24 @@ def run(args: argparse.Namespace) -> int:
 
     from showattendtell.inference import load_model
 
-    captioner = load_model(args.model, args.device, args.precision)
-    warn_ignored_decoding(decoding, captioner)
-    if output is None:  # the default name, from the model's: checked before captioning too
-        from showattendtell.caption_output import check_new_output
+    # a given --output is locked before the model loads: a second run on it stops at once
+    partial = PartialCaptions(output) if output is not None else None
+    try:
+        if partial is not None:
+            partial.hold()
+        captioner = load_model(args.model, args.device, args.precision)
+        warn_ignored_decoding(decoding, captioner)
+        if partial is None:  # the default name, from the model's: checked before captioning too
+            from showattendtell.caption_output import check_new_output
 
-        output = Path(_default_output(captioner.name, args))
-        check_new_output("--output", output, args.overwrite)
-    partial = PartialCaptions(output)
-    partial.start(settings(args, captioner, decoding, instances is not None), args.resume)
+            output = Path(_default_output(captioner.name, args))
+            check_new_output("--output", output, args.overwrite)
+            partial = PartialCaptions(output)
+        partial.start(settings(args, captioner, decoding, instances is not None), args.resume)
+    except BaseException:
+        if partial is not None:
+            partial.release()
+        raise
     grid = captioner.model.encoder.config.grid if instances is not None else None
     made = Captions.reused_from(partial, images, grid)
     todo = [im for im in images if im.image_id not in made.done]

@@ -127,7 +127,7 @@ class PartialCaptions:
                 raise EvaluateError(f"--resume needs an --output file, not {self.output}")
             return
         # locked first: a second run on a busy --output is told so, whatever else it asked
-        self._lock()
+        self.hold()
         try:
             self._start(settings, resume)
         except BaseException:
@@ -187,10 +187,12 @@ class PartialCaptions:
                 self.records[rec["path"]] = rec
         return settings, point
 
-    def _lock(self) -> None:
-        """Take the lock on the partial file, or refuse: another run holds it. The file locked
-        must still be the one at ``path``: a run that ended between this run's open and its
-        lock has removed it, and a new file there is locked anew."""
+    def hold(self) -> None:
+        """Take the lock on the partial file (once), or refuse: another run holds it. The file
+        locked must still be the one at ``path``: a run that ended between this run's open and
+        its lock has removed it, and a new file there is locked anew."""
+        if self.lock is not None or self.path is None:
+            return
         try:
             import fcntl
         except ImportError:  # Windows has no flock: runs there are not guarded
