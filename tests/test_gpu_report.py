@@ -87,3 +87,23 @@ def test_a_bulk_run_stopped_before_its_first_caption_says_so(tmp_path):
     assert result["captioned"] == 0 and result["stopped_after_s"] == 1.5, result
     assert result["error"] == ["no caption within 1.5 s", "loading the model"]
     assert "images_per_s_running" not in result
+
+
+def test_the_report_s_processes_keep_a_bytecode_cache_of_their_own(monkeypatch):
+    """Where Python writes no bytecode, each process the report starts would compile its
+    imports: inside ``bytecode_cache`` they write it to a folder of the report's, and the
+    environment is as it was afterwards."""
+    import os
+
+    from benchmarks.gpu_report import bytecode_cache
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    with bytecode_cache():
+        cache = os.environ["PYTHONPYCACHEPREFIX"]
+        assert "PYTHONDONTWRITEBYTECODE" not in os.environ
+        probe = "import sys; print(sys.dont_write_bytecode, sys.pycache_prefix)"
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        assert out.stdout.split() == ["False", cache]
+    assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1" and "PYTHONPYCACHEPREFIX" not in os.environ
+    assert not Path(cache).exists()  # removed with the report
