@@ -436,17 +436,21 @@ def open_output(path: Path, resume: ResumePoint | None) -> IO[bytes]:
 class OutputLock:
     """An exclusive lock on the output file for the whole run, so that a second `sat caption`
     given the same ``--output`` stops with one line instead of interleaving its records with the
-    first's (two writers append both sets, and each run's --resume plan goes stale).
+    first's (two writers append both sets, and each run's --resume plan goes stale). `sat
+    evaluate` holds one on its partial captions the same way, with its own words (``busy``,
+    and ``name`` for the file in the "cannot write" line).
 
     ``fcntl.flock`` on the file itself (advisory, released by the kernel when the process ends,
     however it ends: no stale lock file to clean up). Taken before ``--resume`` reads the file.
-    A file this creates to hold the lock is removed again by ``release`` if nothing was written to
-    it, so a run that stops before captioning (a bad model file) leaves no empty output behind.
-    Where ``fcntl`` is missing (Windows) or the output is not a regular file (a FIFO, /dev/null),
-    nothing is locked.
+    The file locked must still be the one at ``path``: a run that removed it between this one's
+    open and its lock (`sat evaluate` removes its partial file at the end) leaves a new file
+    there to lock anew. A file this creates to hold the lock is removed again by ``release`` if
+    nothing was written to it, so a run that stops before captioning (a bad model file) leaves
+    no empty output behind. Where ``fcntl`` is missing (Windows) or the output is not a regular
+    file (a FIFO, /dev/null), nothing is locked.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, busy: str | None = None, name: str | None = None):
         self.path, self.fd, self.created = path, None, False
         try:
             import fcntl
@@ -454,23 +458,32 @@ class OutputLock:
             return
         if path.exists() and not path.is_file():
             return
-        self.created = not path.exists()
-        try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as e:
-            raise OutputError(f"cannot write --output {path}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        for _ in range(5):
+            self.created = not path.exists()
+            try:
+                self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as e:
+                raise OutputError(
+                    f"cannot write {name or f'--output {path}'}: {e.strerror or e}"
+                ) from None
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                break
+            except OSError:  # a file system without locks (some network mounts): go on unlocked
+                return
+            if _same_file(self.fd, path):
+                return
             os.close(self.fd)
-            self.fd, self.created = None, False
-            raise OutputError(
-                f"--output {path} is being written by another `sat caption` run; "
-                "wait for it to finish (then --resume adds what it left out), or "
-                "give another --output"
-            ) from None
-        except OSError:  # a file system without locks (some network mounts): go on unlocked
-            pass
+            self.fd = None
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd, self.created = None, False
+        raise OutputError(
+            busy
+            or f"--output {path} is being written by another `sat caption` run; wait for it to "
+            "finish (then --resume adds what it left out), or give another --output"
+        ) from None
 
     def release(self) -> None:
         if self.fd is None:
@@ -482,6 +495,15 @@ class OutputLock:
             pass
         os.close(self.fd)  # closing the descriptor releases the lock
         self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """``fd`` is the file at ``path`` (not one removed from there since it was opened)."""
+    try:
+        now, held = path.stat(), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def prepare_folder(option: str, folder: Path) -> None:

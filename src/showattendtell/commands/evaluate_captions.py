@@ -103,8 +103,9 @@ class PartialCaptions:
     files go (or the run ends), so that a second run on the same --output stops in one line
     instead of interleaving its records with this run's. The lock is advisory, held by an
     open file description, and dropped by the kernel when the process ends however it ends:
-    no stale lock file for a later --resume to trip on. The file locked is the partial file
-    itself (created empty when missing, removed again by ``release`` while still empty).
+    no stale lock file for a later --resume to trip on (caption_output.OutputLock, as `sat
+    caption` locks its output). The file locked is the partial file itself (created empty when
+    missing, removed again by ``release`` while still empty).
     """
 
     def __init__(self, output: Path) -> None:
@@ -115,8 +116,7 @@ class PartialCaptions:
         self.records: dict[str, dict] = {}  # image id -> its record, read back by --resume
         self.writer = None
         self.written = 0  # records written by this run
-        self.lock = None  # the open partial file that holds the lock
-        self.created = False  # the lock made the partial file: ``release`` removes it if empty
+        self.lock = None  # the OutputLock on the partial file
 
     def start(self, settings: dict, resume: bool) -> None:
         """Before captioning: lock the partial file, read back what --resume reuses, or refuse
@@ -188,49 +188,24 @@ class PartialCaptions:
         return settings, point
 
     def hold(self) -> None:
-        """Take the lock on the partial file (once), or refuse: another run holds it. The file
-        locked must still be the one at ``path``: a run that ended between this run's open and
-        its lock has removed it, and a new file there is locked anew."""
+        """Take the lock on the partial file (once), or refuse: another run holds it
+        (caption_output.OutputLock)."""
         if self.lock is not None or self.path is None:
             return
-        try:
-            import fcntl
-        except ImportError:  # Windows has no flock: runs there are not guarded
-            return
-        for _ in range(5):
-            self.created = not self.path.exists()
-            try:
-                self.lock = open(self.path, "ab")  # noqa: SIM115 - closed by release
-            except OSError as e:
-                raise EvaluateError(f"cannot write {self.path}: {e.strerror or e}") from None
-            try:
-                fcntl.flock(self.lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                break
-            except OSError:  # a file system without locks (some network mounts): go on unlocked
-                return
-            if _same_file(self.lock, self.path):
-                return
-            self.lock.close()
-        self.lock.close()
-        self.lock, self.created = None, False
-        raise EvaluateError(
-            f"another sat evaluate is writing {self.path} (process still running); wait for "
-            "it, or choose another --output"
+        from showattendtell.caption_output import OutputLock
+
+        self.lock = OutputLock(
+            self.path,
+            busy=f"another sat evaluate is writing {self.path} (process still running); wait "
+            "for it, or choose another --output",
+            name=str(self.path),
         )
 
     def release(self) -> None:
-        """Let another run have the partial file: closing it drops the lock. A partial file
-        that the lock made and nothing was written to goes too."""
-        if self.lock is None:
-            return
-        try:
-            if self.created and os.fstat(self.lock.fileno()).st_size == 0:
-                self.path.unlink(missing_ok=True)
-        except OSError:
-            pass
-        self.lock.close()
-        self.lock = None
+        """Let another run have the partial file; one the lock made, still empty, goes too."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def write(self, rec) -> None:
         if self.writer is not None:
@@ -246,7 +221,8 @@ class PartialCaptions:
         for path in (self.path, self.settings_path):
             if path is not None:
                 path.unlink(missing_ok=True)
-        self.created = False  # a file at the path now is another run's
+        if self.lock is not None:
+            self.lock.created = False  # a file at the path now is another run's
         self.release()
 
     def interrupted(self, e: KeyboardInterrupt, done: int, total: int, args) -> int:
@@ -268,15 +244,6 @@ class PartialCaptions:
                 file=sys.stderr,
             )
         return 143 if isinstance(e, Terminated) else 130
-
-
-def _same_file(stream, path: Path) -> bool:
-    """``stream`` is the file at ``path`` (not one removed from there since it was opened)."""
-    try:
-        now, held = path.stat(), os.fstat(stream.fileno())
-    except OSError:
-        return False
-    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def settings(args: argparse.Namespace, captioner, decoding: dict, attention: bool) -> dict:
