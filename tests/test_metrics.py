@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import subprocess
+import sys
 
 import pytest
 from helpers.marks import needs_java
@@ -188,3 +190,29 @@ def test_a_meteor_score_cut_short_stops_java_and_leaves_no_lock_held(monkeypatch
     assert stuck.meteor_p.poll() is not None and not stuck.lock.locked()
     assert stuck.lock.acquire(timeout=1)  # what __del__ does first: it no longer waits
     stuck.lock.release()
+
+
+def test_the_meteor_scorer_closes_its_pipes_at_exit(tmp_path):
+    """pycocoevalcap's scorer closes one of its three pipes when collected; at exit the other
+    two made Python say ``ResourceWarning: unclosed file``. A stand-in Java process (cat)."""
+    script = tmp_path / "scorer.py"
+    script.write_text(
+        "import subprocess, threading\n"
+        "import pycocoevalcap.meteor.meteor as m\n"
+        "class Cat(m.Meteor):\n"
+        "    def __init__(self):\n"
+        "        pipe = subprocess.PIPE\n"
+        "        self.meteor_p = subprocess.Popen(['cat'], stdin=pipe, stdout=pipe, stderr=pipe)\n"
+        "        self.lock = threading.Lock()\n"
+        "m.Meteor = Cat\n"
+        "from showattendtell import metrics\n"
+        "metrics.meteor_scorer()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "always::ResourceWarning", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ResourceWarning" not in proc.stderr, proc.stderr

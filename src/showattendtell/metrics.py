@@ -8,6 +8,7 @@ punctuation removed) and computes the Java-free metrics: BLEU-1..4, ROUGE-L and 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import io
@@ -54,10 +55,26 @@ def spice_available() -> bool:
 @functools.lru_cache(maxsize=1)
 def meteor_scorer():
     """One METEOR scorer per process: its Java side spends 10-30 s loading the paraphrase table,
-    so repeated official scoring (several splits, tests) pays that once."""
+    so repeated official scoring (several splits, tests) pays that once. Stopped at exit."""
     from pycocoevalcap.meteor.meteor import Meteor
 
-    return Meteor()
+    scorer = Meteor()
+    atexit.register(stop_meteor, scorer)
+    return scorer
+
+
+def stop_meteor(scorer) -> None:
+    """Stop the scorer's Java process and close its three pipes (again harmless). Why:
+    pycocoevalcap's ``__del__`` closes only stdin, so the other two were left to the collector
+    at exit, which said ``ResourceWarning: unclosed file <_io.BufferedReader ...>``."""
+    proc = scorer.meteor_p
+    with contextlib.suppress(OSError):  # a pipe to a process that is gone
+        proc.kill()
+        proc.wait()
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
 
 
 def meteor_scores(gts: dict, res: dict) -> tuple[float, list[float]]:
@@ -70,10 +87,7 @@ def meteor_scores(gts: dict, res: dict) -> tuple[float, list[float]]:
         return scorer.compute_score(gts, res)
     except BaseException:
         meteor_scorer.cache_clear()
-        with contextlib.suppress(OSError):  # a pipe to a process that is gone
-            scorer.meteor_p.kill()
-            scorer.meteor_p.wait()
-            scorer.meteor_p.stdin.close()
+        stop_meteor(scorer)
         if scorer.lock.locked():
             scorer.lock.release()
         raise
