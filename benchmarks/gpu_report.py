@@ -18,8 +18,9 @@ batches. Parts, each also a field of the JSON line:
 - ``startup``: `sat caption PHOTO` from the command to the printed caption, seconds; on CUDA
   also with ``--device cuda`` (``--device auto`` captions a few photos on the CPU);
 - ``training``: benchmarks/train_throughput.py (ours and the peer) in float32 and bf16 at batch
-  64 and 256, tokens/s; and float32 at batch 64 without the step's Triton kernels
-  (``--step autograd``), which shows what they give;
+  64 and 256, tokens/s, with a profile of the batch-64 steps (``--profile``: the kernels a step
+  runs and how long the GPU is busy in it); and float32 at batch 64 without the step's Triton
+  kernels (``--step autograd``), which shows what they give;
 - ``sat_train``: a short `sat train` of configs/tiny.yaml on the photos (captioned by the model)
   with ``--trainer.accelerator gpu --trainer.precision bf16-mixed`` on CUDA, seconds;
 - ``bulk``: `sat caption FOLDER -o FILE` over ``--bulk`` photos (the given ones, hard-linked
@@ -412,6 +413,8 @@ def training(device: str, quick: bool) -> dict[str, Any]:
         for batch in (4,) if quick else (64, 256):
             cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--device", device,
                    "--batch", str(batch), "--precision", precision]  # fmt: skip
+            if batch in (4, 64):  # where the time of a step goes (kernels, the GPU's busy time)
+                cmd += ["--profile", "1" if quick else "5"]
             out[f"{precision}_batch{batch}"] = run_json(cmd + (sizes.split() if quick else []), 900)
     if not quick:  # what the step's Triton kernels (gpu_kernels.py) give: the step without them
         cmd = [sys.executable, "-m", "benchmarks.train_throughput", "--device", device,

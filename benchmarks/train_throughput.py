@@ -143,6 +143,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-baseline", action="store_true", help="skip the peer")
     p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after the timing, profile this many of our steps (torch.profiler): on a GPU the "
+        "kernels a step runs and how much of the step the GPU is busy, on a CPU the operators",
+    )
+    p.add_argument(
         "--matmul-sizes",
         default="2048,4096",
         help="square matmuls that measure the machine's peak (comma-separated)",
@@ -154,8 +162,8 @@ def train_step(
     model: torch.nn.Module, loss_fn, device: torch.device, precision: str, fused: bool = False
 ):
     """One optimiser step of ``model`` on ``loss_fn()``, under autocast for bf16. ``fused``:
-    Adam's update as one pass over the parameters (what `sat train` uses in float32); the peer
-    keeps its own training step's Adam."""
+    Adam's update as one pass over the parameters (what `sat train` uses); the peer keeps its
+    own training step's Adam."""
     opt = torch.optim.Adam(model.parameters(), lr=2e-4, fused=fused or None)
 
     def step() -> None:
@@ -166,6 +174,72 @@ def train_step(
         opt.step()
 
     return step
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of the (start, end) intervals: the GPU's busy time
+    (kernels on several streams may overlap, so their durations do not simply add up)."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
+def profile_steps(step, device: torch.device, steps: int, top: int = 12) -> dict:
+    """Where ``steps`` of our training steps spend their time, by torch.profiler, per step.
+
+    Why: at batch 64 the GPU step is bound by fixed costs, not arithmetic (benchmarks/README.md),
+    and which of them is the question: gaps between kernels (launches, the host) show as a GPU
+    busy for less than the step's time; many small kernels as the kernel count; a slow kernel
+    at the top of the list. On a CPU the same table lists operators by their own time.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        wall = time.perf_counter() - t
+    kind = DeviceType.CUDA if gpu else DeviceType.CPU
+    events = [e for e in prof.events() if e.device_type == kind]
+    if not gpu:  # operators by their own time: a parent's time is its children's too
+        events = [e for e in events if e.name.startswith("aten::")]
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        us = e.time_range.elapsed_us() if gpu else e.self_cpu_time_total
+        entry = totals.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += us
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    out = {
+        "steps": steps,
+        "wall_ms_per_step": round(wall * 1000 / steps, 2),
+        "per_step": "kernels" if gpu else "aten operators",
+        "count_per_step": round(len(events) / steps, 1),
+        "top": [[name[:80], round(n / steps, 1), round(us / steps, 1)] for name, (n, us) in ranked],
+    }
+    if gpu:
+        busy = _union_us([(e.time_range.start, e.time_range.end) for e in events])
+        out["gpu_busy_ms_per_step"] = round(busy / 1000 / steps, 2)
+    return out
+
+
+def print_profile(prof: dict) -> None:
+    """``profile_steps``'s table: each name's calls and microseconds a step."""
+    busy = prof.get("gpu_busy_ms_per_step")
+    print(
+        f"profile, {prof['steps']} steps: {prof['wall_ms_per_step']} ms a step, "
+        f"{prof['count_per_step']} {prof['per_step']} a step"
+        + (f", the GPU busy {busy} ms of it" if busy is not None else "")
+    )
+    for name, calls, us in prof["top"]:
+        print(f"  {us:>10.1f} us {calls:>7.1f} x  {name}")
 
 
 def step_taken(device: torch.device, asked: str) -> str:
@@ -213,8 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
             return loss(forward, feats, caps, lengths)[0]
 
     peak = matmul_gflops(device, [int(n) for n in args.matmul_sizes.split(",")])
-    fused = args.precision == "fp32"  # as `sat train`: fused Adam except under mixed precision
-    steps = {"ours": train_step(dec, ours, device, args.precision, fused=fused)}
+    # as `sat train`: Adam fused in float32 and bf16-mixed alike (lit_module.py)
+    steps = {"ours": train_step(dec, ours, device, args.precision, fused=True)}
     if not args.no_baseline:
         peer = PeerDecoder(args.attention_dim, args.embed_dim, args.hidden_dim, V, D).to(device)
         steps["peer"] = train_step(
@@ -252,9 +326,14 @@ def main(argv: list[str] | None = None) -> dict:
     if t_peer is not None:
         result["peer_tokens_per_s"] = round(n_tokens / t_peer, 1)
         result["speedup_vs_peer"] = round(t_peer / t_fast, 2)
+    if args.profile:
+        result["profile"] = profile_steps(steps["ours"], device, args.profile)
     width = max(map(len, result))
     for k, v in result.items():
-        print(f"{k:<{width}}  {v}")
+        if k != "profile":
+            print(f"{k:<{width}}  {v}")
+    if args.profile:
+        print_profile(result["profile"])
     print(json.dumps(result), flush=True)
     return result
 

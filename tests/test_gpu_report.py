@@ -35,6 +35,8 @@ def test_gpu_report_runs_every_part_on_a_cpu():
         assert "error" not in part, part
     assert report["captioning"]["32_batch4"]["images_per_s_beam3"] > 0
     assert report["training"]["fp32_batch4"]["speedup_vs_peer"] > 0
+    profile = report["training"]["fp32_batch4"]["profile"]  # the step's operators, by time
+    assert profile["count_per_step"] > 0 and any("addmm" in name for name, *_ in profile["top"])
     assert report["decoding"]["one_core_images_per_s"] > 0
     assert report["startup"]["median_s"] > 0
     assert report["sat_train"]["exit"] == 0, report["sat_train"]
@@ -107,3 +109,12 @@ def test_the_report_s_processes_keep_a_bytecode_cache_of_their_own(monkeypatch):
         assert out.stdout.split() == ["False", cache]
     assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1" and "PYTHONPYCACHEPREFIX" not in os.environ
     assert not Path(cache).exists()  # removed with the report
+
+
+def test_the_gpu_busy_time_counts_overlapping_kernels_once():
+    """A step's profile gives the time the GPU is busy: kernels on two streams that overlap
+    count once, a gap between kernels not at all."""
+    from benchmarks.train_throughput import _union_us
+
+    assert _union_us([(5, 6), (0, 2), (1, 3), (1.5, 2.5)]) == 4
+    assert _union_us([]) == 0

@@ -82,11 +82,58 @@ def test_train_only_trains_the_named_decoder_parameters_and_refuses_names_that_m
         module(optimizer=OptimizerConfig(train_only=["lstm."])).configure_optimizers()
 
 
-def test_adam_is_fused_except_under_mixed_precision(monkeypatch):
-    """One pass over the parameters per step; Lightning cannot clip the gradients of a fused
-    optimiser under mixed precision, so there it is the loop form."""
+def test_adam_is_fused_except_with_a_gradient_scaler(monkeypatch):
+    """One pass over the parameters per step, bf16-mixed included; float16 mixed precision's
+    scaler must unscale the gradients before clipping, which a fused Adam does in its step, so
+    there it is the loop form."""
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
     m = module()
     assert m.configure_optimizers().defaults["fused"] is True
-    for precision, fused in (("32-true", True), ("bf16-mixed", None)):
-        monkeypatch.setattr(m, "_trainer", type("T", (), {"precision": precision})())
+    scaler = torch.amp.GradScaler("cpu")
+    for plugin, fused in (
+        (Precision(), True),
+        (MixedPrecision("bf16-mixed", "cpu"), True),
+        (MixedPrecision("16-mixed", "cpu", scaler), None),
+    ):
+        monkeypatch.setattr(m, "_trainer", type("T", (), {"precision_plugin": plugin})())
         assert m.configure_optimizers().defaults["fused"] is fused
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_bf16_mixed_clips_the_gradients_of_the_fused_adam(tmp_path, algorithm):
+    """Lightning refuses to clip for a fused optimiser under mixed precision (a float16 scaler's
+    gradients are still scaled then); bf16-mixed has no scaler, and its step clips as float32's
+    does."""
+    import lightning as L
+
+    clip = 1e-3
+    seen: list[torch.Tensor] = []
+
+    class Recorded(CaptionModule):
+        def optimizer_step(self, *args, **kwargs) -> None:  # the gradients the step used
+            super().optimizer_step(*args, **kwargs)
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if algorithm == "norm":
+                seen.append(torch.stack([g.norm() for g in grads]).norm())
+            else:
+                seen.append(torch.stack([g.abs().max() for g in grads]).max())
+
+    m = Recorded(VOCAB, ENCODER, DecoderConfig("soft", 8, 10, 6, 0.0), ObjectiveConfig())
+    a, caps, lengths = make_batch(D=2048, V=len(VOCAB))
+    batch = {"inputs": a, "captions": caps, "lengths": lengths}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        precision="bf16-mixed",
+        max_steps=1,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=algorithm,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(m, torch.utils.data.DataLoader([batch], batch_size=None))
+    assert trainer.optimizers[0].defaults["fused"] is True
+    assert len(seen) == 1 and seen[0] <= clip * 1.001, seen
