@@ -27,7 +27,8 @@ batches. Parts, each also a field of the JSON line:
   over and over into a temporary folder), bf16 on CUDA, batch 128: greedy, beam 3 and the
   model's stored decoding (beam 5, consensus reranking) with JPEGs decoded on the CPU (the
   default), greedy and beam 3 with them decoded on the GPU (``--decode-on gpu``): seconds to
-  the first caption and images/s once running (read off the output file as it grows).
+  the first caption and images/s once running (read off the output file as it grows), and
+  the CPU the main process and the decoding processes used meanwhile (percent of one core).
 
 ``--quick`` makes every part as small as it gets (the test suite's smoke test on a CPU).
 ``--output FILE`` rewrites FILE with the report so far after each part (a run cut short keeps
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -114,7 +116,6 @@ def decoding(paths: list[str], device: str, input_size: int, quick: bool) -> dic
     The workers' rate is timed once every worker has handed over its first batch (batch i
     goes to worker i mod W): a long run's rate, not the processes' start, which
     ``first_round_s`` gives apart."""
-    import os
 
     import torch
 
@@ -239,7 +240,6 @@ def bytecode_cache() -> Iterator[None]:
     `sat caption` 2.6 s there, and each decoding process torchvision's sources, whereas an
     installed package has its bytecode cached. The processes the report starts (benchmarks,
     `sat caption`, and their decoding processes) then time captioning, not compiling."""
-    import os
     from unittest import mock
 
     with (
@@ -312,7 +312,6 @@ def bulk(paths: list[str], device: str, count: int, quick: bool, limit_s: float)
     """`sat caption FOLDER -o FILE` over ``count`` photos: seconds from the command to the first
     caption, and images/s from then to the last (what a long run settles at). A run still going
     after ``limit_s`` is stopped and its rate taken over what it captioned."""
-    import os
 
     gpu = device.startswith("cuda")
     out: dict[str, Any] = {"images": count, "precision": "bf16" if gpu else "32"}
@@ -343,7 +342,6 @@ def bulk(paths: list[str], device: str, count: int, quick: bool, limit_s: float)
 
 def timed_bulk_run(cmd: list[str], output: Path, limit_s: float) -> dict[str, Any]:
     """Run ``cmd`` and watch ``output`` grow (each record is flushed as it is written)."""
-    import os
     import signal
 
     t0 = time.perf_counter()
@@ -353,10 +351,12 @@ def timed_bulk_run(cmd: list[str], output: Path, limit_s: float) -> dict[str, An
         proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
         )
-    first, stopped = None, False
+    first, stopped, cpu = None, False, []  # cpu: session_cpu samples once running
     while proc.poll() is None:
         if first is None and output.exists() and output.stat().st_size > 0:
             first = (time.perf_counter() - t0, lines(output))
+        if first is not None and (not cpu or time.perf_counter() - cpu[-1][0] > 0.5):
+            cpu.append((time.perf_counter(), *session_cpu(proc.pid)))
         if time.perf_counter() - t0 > limit_s:
             stopped = True
             end, done = time.perf_counter() - t0, lines(output) if output.exists() else 0
@@ -382,7 +382,36 @@ def timed_bulk_run(cmd: list[str], output: Path, limit_s: float) -> dict[str, An
     if end > t_first and done > n_first:
         result["images_per_s_running"] = round((done - n_first) / (end - t_first), 1)
     result["images_per_s_overall"] = round(done / end, 1)
+    if len(cpu) > 1:  # who was busy once running: the main process or the decoding ones
+        (t_a, main_a, others_a, _), (t_b, main_b, others_b, n) = cpu[0], cpu[-1]
+        result["main_cpu_percent"] = round(100 * (main_b - main_a) / (t_b - t_a), 1)
+        result["decoding_cpu_percent"] = round(100 * (others_b - others_a) / (t_b - t_a), 1)
+        result["decoding_processes"] = n
     return result
+
+
+def session_cpu(pid: int) -> tuple[float, float, int]:
+    """CPU seconds used so far by process ``pid`` and by the other processes of its session
+    (its image-decoding processes), and how many those are; from /proc (zeros elsewhere).
+
+    Why: a bulk rate alone does not say what holds it; a main process near 100 % is bound by
+    its own work, decoding processes near 100 % each by decoding, neither by the GPU."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    main = others = 0.0
+    n = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[3]) != pid:  # the session: the run and every process it started
+            continue
+        used = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        if int(stat.parent.name) == pid:
+            main = used
+        else:
+            others, n = others + used, n + 1
+    return main, others, n
 
 
 def lines(path: Path) -> int:

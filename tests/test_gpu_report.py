@@ -76,6 +76,26 @@ def test_bulk_run_is_not_blocked_by_what_it_writes_to_stderr(tmp_path):
     assert result["first_caption_s"] < result["seconds"]
 
 
+def test_a_bulk_run_says_which_of_its_processes_were_busy(tmp_path):
+    """Once running, the CPU used by the main process and by the others it started (the
+    decoding processes): here a main process that spins and one child that sleeps."""
+    from benchmarks.gpu_report import timed_bulk_run
+
+    out = tmp_path / "out.jsonl"
+    script = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+        f"f = open({str(out)!r}, 'w'); f.write('a\\n'); f.flush(); "
+        "end = time.monotonic() + 1.5\n"
+        "while time.monotonic() < end: pass\n"
+        "f.write('b\\n'); f.close(); child.kill()"
+    )
+    result = timed_bulk_run([sys.executable, "-c", script], out, limit_s=60)
+    assert result["exit"] == 0 and result["captioned"] == 2, result
+    assert result["decoding_processes"] == 1, result
+    assert result["main_cpu_percent"] > result["decoding_cpu_percent"] >= 0, result
+
+
 def test_a_bulk_run_stopped_before_its_first_caption_says_so(tmp_path):
     """A limit shorter than the start-up stops the run with nothing to measure: the result says
     that, with the run's last words, instead of a silent rate of nothing."""
