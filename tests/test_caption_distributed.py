@@ -131,17 +131,12 @@ def wait_for_records(path: Path, n: int, proc: subprocess.Popen, timeout: float 
     pytest.fail(f"no {n} records in {timeout} s")
 
 
-@needs_train_mini
-@pytest.mark.slow
-@pytest.mark.parametrize("stop", ["kill rank 1", "kill rank 0", "kill all", "ctrl-c"])
-def test_stopped_then_resumed(photos, one_process, stop):
-    """Batches of one photo keep the run slow enough to stop midway."""
-    fmt = "csv" if stop == "kill rank 1" else "jsonl"
-    out = photos.parent / f"stopped-{stop.replace(' ', '-')}.{fmt}"
-    args = ["photos", "-o", out.name, "--batch-size", "1", "--devices", "2"]
+def stop_midway(args: list[str], cwd: Path, out: Path, stop: str, kept: int, want) -> int:
+    """`sat caption ARGS`, stopped by ``stop`` once ``out`` holds 8 records more than ``kept``:
+    every process ends, and what is left is a prefix of ``want``. Returns its length."""
     mark = uuid.uuid4().hex
-    proc = sat_caption(args, photos.parent, mark, start_new_session=True)
-    wait_for_records(out, 8, proc)
+    proc = sat_caption(args, cwd, mark, start_new_session=True)
+    wait_for_records(out, kept + 8, proc)
     if stop == "kill all":
         os.killpg(proc.pid, signal.SIGKILL)
     elif stop == "ctrl-c":
@@ -158,12 +153,28 @@ def test_stopped_then_resumed(photos, one_process, stop):
     else:
         assert code != 0
     partial = records(out)
-    assert 8 <= len(partial) < N
-    same_captions(partial, one_process[: len(partial)])  # a prefix, in input order
+    assert kept + 8 <= len(partial) < N
+    same_captions(partial, want[: len(partial)])  # a prefix, in input order
+    return len(partial)
 
+
+@needs_train_mini
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("first", "then"), [("kill rank 1", "kill rank 0"), ("ctrl-c", "kill all")]
+)
+def test_stopped_resumed_stopped_again_and_resumed(photos, one_process, first, then):
+    """Each way a run stops (a kill -9 of either process or of all, Ctrl-C), once in a first
+    run and once in a resumed one; the last --resume gives every photo once, in input order.
+    Batches of one photo keep the runs slow enough to stop midway."""
+    fmt = "csv" if first == "kill rank 1" else "jsonl"
+    out = photos.parent / f"stopped-{first.replace(' ', '-')}.{fmt}"
+    args = ["photos", "-o", out.name, "--batch-size", "1", "--devices", "2"]
+    kept = stop_midway(args, photos.parent, out, first, 0, one_process)
+    kept = stop_midway([*args, "--resume"], photos.parent, out, then, kept, one_process)
     code, err = finished(sat_caption([*args, "--resume"], photos.parent))
     assert code == 0, err
-    assert f"skipped {len(partial)} already in" in err
+    assert f"skipped {kept} already in" in err
     same_captions(records(out), one_process)
 
 

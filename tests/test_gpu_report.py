@@ -40,9 +40,8 @@ def test_gpu_report_runs_every_part_on_a_cpu():
     assert report["decoding"]["one_core_images_per_s"] > 0
     assert report["startup"]["median_s"] > 0
     assert report["sat_train"]["exit"] == 0, report["sat_train"]
-    for run in ("greedy", "beam3", "stored"):  # sat caption over a folder: all photos, timed
-        assert report["bulk"][run]["captioned"] == 8, report["bulk"]
-        assert report["bulk"][run]["first_caption_s"] > 0
+    assert report["bulk"]["greedy"]["captioned"] == 8, report["bulk"]  # all photos, timed
+    assert report["bulk"]["greedy"]["first_caption_s"] > 0
 
 
 def test_train_benchmark_asks_to_be_run_as_a_module():
