@@ -326,13 +326,16 @@ def main(argv: list[str] | None = None) -> dict:
     if t_peer is not None:
         result["peer_tokens_per_s"] = round(n_tokens / t_peer, 1)
         result["speedup_vs_peer"] = round(t_peer / t_fast, 2)
-    if args.profile:
-        result["profile"] = profile_steps(steps["ours"], device, args.profile)
+    if args.profile:  # after the timing, and never at its cost: a failure is reported
+        try:
+            result["profile"] = profile_steps(steps["ours"], device, args.profile)
+        except Exception as e:  # noqa: BLE001 - the profiler's failure must not lose the timing
+            result["profile"] = {"error": f"{type(e).__name__}: {e}"}
     width = max(map(len, result))
     for k, v in result.items():
         if k != "profile":
             print(f"{k:<{width}}  {v}")
-    if args.profile:
+    if "top" in result.get("profile", {}):
         print_profile(result["profile"])
     print(json.dumps(result), flush=True)
     return result
