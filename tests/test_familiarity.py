@@ -274,11 +274,14 @@ def test_the_studys_auroc_and_logistic_regression():
 
 
 def test_the_study_runs_end_to_end_and_reuses_its_cache(
-    tiny_model_file, synthetic_flickr, tmp_path
+    tiny_model_file, synthetic_flickr, tmp_path, monkeypatch, capsys
 ):
-    import subprocess
+    """The script's main() run in this process, twice (a second Python would spend seconds
+    importing torch again); argv as the command line gives it."""
     import sys
     from pathlib import Path
+
+    import torch
 
     indexed = tmp_path / "indexed.safetensors"
     assert (
@@ -296,8 +299,7 @@ def test_the_study_runs_end_to_end_and_reuses_its_cache(
         == 0
     )
     root = Path(__file__).resolve().parents[1]
-    command = [
-        sys.executable,
+    argv = [
         "scripts/familiarity_study.py",
         "--model",
         str(indexed),
@@ -308,12 +310,19 @@ def test_the_study_runs_end_to_end_and_reuses_its_cache(
         "--device",
         "cpu",
     ]
-    first = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr
-    assert "AUROC for a bad caption" in first.stdout and "calibration" in first.stdout
-    assert "flickr8k dev  photos     8" in first.stdout
-    again = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0
-    numbers = [line for line in first.stdout.splitlines() if "flickr8k_dev: " not in line]
-    assert again.stdout.splitlines() == numbers  # the same numbers, from the cache
-    assert "flickr8k_dev: " in first.stdout and "flickr8k_dev: " not in again.stdout  # cached
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sys, "argv", argv)
+    study, threads = _study(), torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        study.main()
+        first = capsys.readouterr()
+        study.main()
+        again = capsys.readouterr()
+    finally:
+        torch.set_num_threads(threads)
+    assert "AUROC for a bad caption" in first.out and "calibration" in first.out
+    assert "flickr8k dev  photos     8" in first.out
+    numbers = [line for line in first.out.splitlines() if "flickr8k_dev: " not in line]
+    assert again.out.splitlines() == numbers  # the same numbers, from the cache
+    assert "flickr8k_dev: " in first.out and "flickr8k_dev: " not in again.out  # cached
