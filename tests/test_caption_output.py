@@ -169,6 +169,22 @@ def test_outputs_are_strict_json(images, tiny_model_file, tmp_path, monkeypatch,
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON: {c}"))
 
 
+def test_a_lock_removes_only_its_own_empty_file(tmp_path):
+    """The file a lock made goes when nothing was written to it; a file put at the path since
+    (the first one removed, as `sat evaluate` removes its partial file) is another run's."""
+    pytest.importorskip("fcntl")
+    from showattendtell.caption_output import OutputLock
+
+    out = tmp_path / "out.jsonl"
+    OutputLock(out).release()
+    assert not out.exists()
+    lock = OutputLock(out)
+    out.unlink()
+    out.write_bytes(b"")  # another run's file, empty so far
+    lock.release()
+    assert out.exists()
+
+
 def test_a_second_run_on_the_same_output_stops_in_one_line(
     images, tiny_model_file, tmp_path, monkeypatch, capsys
 ):

@@ -486,10 +486,12 @@ class OutputLock:
         ) from None
 
     def release(self) -> None:
+        """Drop the lock; remove the file if this lock made it, nothing was written to it and
+        it is still the file at ``path`` (one put there since is another run's)."""
         if self.fd is None:
             return
         try:
-            if self.created and os.fstat(self.fd).st_size == 0:
+            if self.created and os.fstat(self.fd).st_size == 0 and _same_file(self.fd, self.path):
                 self.path.unlink(missing_ok=True)
         except OSError:
             pass

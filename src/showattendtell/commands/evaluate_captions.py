@@ -221,9 +221,7 @@ class PartialCaptions:
         for path in (self.path, self.settings_path):
             if path is not None:
                 path.unlink(missing_ok=True)
-        if self.lock is not None:
-            self.lock.created = False  # a file at the path now is another run's
-        self.release()
+        self.release()  # the lock removes no file put at the path since: another run's
 
     def interrupted(self, e: KeyboardInterrupt, done: int, total: int, args) -> int:
         """Say what is kept and how to go on; the exit status (130 Ctrl-C, 143 SIGTERM)."""
