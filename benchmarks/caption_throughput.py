@@ -36,17 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from showattendtell.caption_output import Writer
-from showattendtell.decoding import SEARCH_STRATEGIES
-from showattendtell.images import list_images
-from showattendtell.inference import PRECISIONS, Captioner, load_model
-from showattendtell.pipeline import (
-    DEFAULT_BATCH_SIZE,
-    caption_files,
-    default_lanes,
-    default_workers,
-    in_lanes,
-)
+from showattendtell.captioning.captioner import PRECISIONS, Captioner, load_model
+from showattendtell.captioning.pipeline import DEFAULT_BATCH_SIZE, caption_files
+from showattendtell.captioning.records import Writer
+from showattendtell.images.files import list_images
+from showattendtell.images.pipeline import default_lanes, default_workers, in_lanes
+from showattendtell.search.decoding import SEARCH_STRATEGIES
 
 DEFAULT_IMAGES = Path(__file__).resolve().parents[2] / "shared/data/coco2017_val_subset/images"
 
@@ -233,7 +228,7 @@ def profile_run(
 def decode_cost_ms(paths: list[str], input_size: int) -> float:
     """Decode + resize of one image on one core, as a decoding process does it
     (``jpeg_device.load_jpeg``), ms/img."""
-    from showattendtell.jpeg_device import load_jpeg
+    from showattendtell.images.jpeg_device import load_jpeg
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a DataLoader worker

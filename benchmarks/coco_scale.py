@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # torch and the library load in the child process only
     from showattendtell.data.datamodule import CaptionPairs
     from showattendtell.data.datasets import CaptionedImage
     from showattendtell.data.feature_cache import FeatureCache
-    from showattendtell.encoder import EncoderConfig
-    from showattendtell.vocab import Vocabulary
+    from showattendtell.network.encoder import EncoderConfig
+    from showattendtell.network.vocab import Vocabulary
 
 COCO_IMAGES = 123_287  # Karpathy's train + restval + val + test
 CAPTIONS_PER_IMAGE = 5  # 616,767 at COCO's 5.003 per image; 5 here
@@ -170,10 +170,10 @@ def time_training(
     import torch
 
     from showattendtell.data.datamodule import collate_captions
-    from showattendtell.decoder import DecoderConfig
     from showattendtell.model import CaptionModel
-    from showattendtell.objectives import MaximumLikelihood
-    from showattendtell.vocab import Vocabulary
+    from showattendtell.network.decoder import DecoderConfig
+    from showattendtell.network.vocab import Vocabulary
+    from showattendtell.training.objectives import MaximumLikelihood
 
     # The model's output layer has COCO's usual vocabulary size at both scales (padded with
     # unused words): a 1/10 sample has fewer words with 5 occurrences, and a smaller output
@@ -215,8 +215,8 @@ def time_training(
 def time_scoring(train: list[CaptionedImage], val: list[CaptionedImage], stages: Stages) -> None:
     """Time what reads every reference: validation scoring and the self-critical reward's
     document frequencies, both built over all captions at once."""
-    from showattendtell.metrics import CiderDReward, score_captions
-    from showattendtell.vocab import tokenize
+    from showattendtell.evaluation.metrics import CiderDReward, score_captions
+    from showattendtell.network.vocab import tokenize
 
     refs = {im.image_id: im.captions for im in val}
     preds = {k: v[0] for k, v in refs.items()}  # a reference as the "caption"
@@ -235,8 +235,8 @@ def run_scale(fraction: float) -> dict:
 
     from showattendtell.data.datamodule import CaptionPairs, _Source
     from showattendtell.data.datasets import load_karpathy
-    from showattendtell.encoder import EncoderConfig
-    from showattendtell.vocab import Vocabulary
+    from showattendtell.network.encoder import EncoderConfig
+    from showattendtell.network.vocab import Vocabulary
 
     torch.set_num_threads(1)
     images = max(100, round(COCO_IMAGES * fraction))

@@ -73,7 +73,7 @@ def run_json(cmd: list[str], timeout: float) -> dict[str, Any]:
 
 def agreement(paths: list[str], device: str, limit: int) -> dict[str, Any]:
     """How many photos get the same float32 caption on ``device`` as on the CPU."""
-    from showattendtell.inference import load_model
+    from showattendtell.captioning.captioner import load_model
 
     photos = paths[:limit]
     cpu, dev = load_model(None, "cpu"), load_model(None, device)
@@ -87,7 +87,7 @@ def agreement(paths: list[str], device: str, limit: int) -> dict[str, Any]:
         )
         out[f"same_{name}"] = same
     if device.startswith("cuda"):  # the pipeline with JPEGs decoded by nvJPEG, greedy
-        from showattendtell.pipeline import caption_files
+        from showattendtell.captioning.pipeline import caption_files
 
         runs = [
             [r.result.caption if r.result else r.error
@@ -119,7 +119,7 @@ def decoding(paths: list[str], device: str, input_size: int, quick: bool) -> dic
 
     import torch
 
-    from showattendtell.jpeg_device import load_jpeg
+    from showattendtell.images.jpeg_device import load_jpeg
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a worker process
@@ -148,7 +148,7 @@ def _loader_rate(
     once every worker has delivered a batch; the seconds until then."""
     import resource
 
-    from showattendtell.images import load_batches
+    from showattendtell.images.batches import load_batches
 
     def cpu() -> float:
         r = resource.getrusage(resource.RUSAGE_SELF)
@@ -253,7 +253,7 @@ def bytecode_cache() -> Iterator[None]:
 def sat_train(paths: list[str], device: str, quick: bool) -> dict[str, Any]:
     """A short `sat train` (configs/tiny.yaml, one epoch) on a Flickr8k-format folder of the
     photos, each with the CPU's beam captions as its references."""
-    from showattendtell.inference import load_model
+    from showattendtell.captioning.captioner import load_model
 
     photos = paths[: 8 if quick else 64]
     captioner = load_model(None, "cpu")
@@ -459,7 +459,7 @@ def input_size(report: dict[str, Any]) -> int:
     sizes = [c["input_size"] for c in report.get("captioning", {}).values() if "input_size" in c]
     if sizes:
         return sizes[0]
-    from showattendtell.inference import load_model
+    from showattendtell.captioning.captioner import load_model
 
     return load_model(None, "cpu").input_size
 
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import torch
 
-    from showattendtell.images import list_images
+    from showattendtell.images.files import list_images
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch sees no CUDA GPU; use --device cpu")

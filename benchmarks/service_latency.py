@@ -83,11 +83,11 @@ def write_stand_in(path: Path) -> Path:
     """A model with the flickr8k_soft architecture (ResNet-50 at 224 px, 7x7 grid, 512/1024/512
     decoder, Flickr8k-sized vocabulary) and untrained weights, for timing before a trained model
     exists. Untrained captions run to max_length (20 words), so decoding is a worst case."""
-    from showattendtell.decoder import DecoderConfig
-    from showattendtell.encoder import EncoderConfig
     from showattendtell.model import CaptionModel, DecodingConfig
     from showattendtell.model_file import save_model
-    from showattendtell.vocab import SPECIALS, Vocabulary
+    from showattendtell.network.decoder import DecoderConfig
+    from showattendtell.network.encoder import EncoderConfig
+    from showattendtell.network.vocab import SPECIALS, Vocabulary
 
     vocab = Vocabulary([*SPECIALS, *(f"w{i}" for i in range(2900))])
     enc = EncoderConfig(backbone="resnet50", weights=None, caffe_style=True, input_size=224)

@@ -20,10 +20,11 @@ import time
 
 import torch
 
-from showattendtell import attention, gpu_kernels
-from showattendtell.decoder import Decoder, DecoderConfig
-from showattendtell.graphed import GraphedLoss
-from showattendtell.losses import hard_attention_loss, soft_attention_loss
+from showattendtell.kernels import gpu_kernels
+from showattendtell.kernels.graphed import GraphedLoss
+from showattendtell.network import attention
+from showattendtell.network.decoder import Decoder, DecoderConfig
+from showattendtell.training.losses import hard_attention_loss, soft_attention_loss
 
 try:
     from benchmarks.caption_throughput import peak_memory_mb

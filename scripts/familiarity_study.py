@@ -38,12 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from showattendtell import familiarity
-from showattendtell.consensus import ConsensusIndex
+from showattendtell.captioning.captioner import Captioner, load_model
 from showattendtell.data.datasets import CaptionedImage, load_split
-from showattendtell.familiarity import Familiarity
-from showattendtell.inference import Captioner, load_model
-from showattendtell.vocab import tokenize
+from showattendtell.network.vocab import tokenize
+from showattendtell.search import familiarity
+from showattendtell.search.consensus import ConsensusIndex
+from showattendtell.search.familiarity import Familiarity
 
 KS = (1, 5, 10, 30, 60)  # neighbours averaged, compared
 THRESHOLDS = (0.01, 0.02, 0.05, 0.1, 0.2)  # familiarity's calibration check

@@ -51,9 +51,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from showattendtell.attention_correctness import cell_coverage
 from showattendtell.data.datasets import DATASETS, DatasetError, load_split
 from showattendtell.data.person_masks import write_person_masks
+from showattendtell.evaluation.attention_correctness import cell_coverage
 
 METHODS = ("selfie", "pose", "union")
 
@@ -159,7 +159,7 @@ def _ratio(target: np.ndarray, truth: np.ndarray) -> float:
 
 def check(args: argparse.Namespace) -> int:
     """Agreement of each method with COCO's person masks, over the photos of ``--instances``."""
-    from showattendtell.attention_correctness import CocoInstances, InstancesError
+    from showattendtell.evaluation.attention_correctness import CocoInstances, InstancesError
 
     try:
         instances = CocoInstances(args.instances)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from showattendtell.commands.train_checks import resumable_checkpoint
+from showattendtell.cli.train_checks import resumable_checkpoint
 
 # The bundled models' recipe, one stage per training config: (config, the model file its run is
 # exported to, which checkpoint, export options). Each stage's config starts from the model file

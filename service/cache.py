@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+REMEMBER_REMOVED = 10_000  # uploads a sweep removed, to tell a client to upload one again
 
 
 @dataclass
@@ -52,6 +54,21 @@ class CacheBound:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._removed: deque[str] = deque(maxlen=REMEMBER_REMOVED)
+
+    def holds(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` is a file Gradio placed in this app's cache (an upload, an example,
+        an image the page was sent). Only these may be read for a request: any other path a
+        client names is refused unread. Without an app (the service used in-process, where the
+        caller is the program itself) every path is the caller's to name."""
+        if self.blocks is None:
+            return True
+        wanted = os.path.abspath(path)
+        return any(wanted in files for files in list(self.blocks.temp_file_sets))
+
+    def removed(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` was in the cache until a sweep removed it (the page still shows it)."""
+        return os.path.abspath(path) in self._removed
 
     @contextmanager
     def using(self, path: str | None) -> Iterator[None]:
@@ -124,6 +141,7 @@ class CacheBound:
             if age < self.grace_s or str(f) in in_use:
                 continue
             if remove(f):
+                self._removed.append(os.path.abspath(f))
                 for files, element in listed:
                     files.discard(element)
                 usage.files, usage.bytes, usage.removed = (

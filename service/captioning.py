@@ -8,10 +8,10 @@ from typing import Any
 import gradio as gr
 from PIL import Image
 
-from showattendtell.decoding import DecodingConfig
+from showattendtell.captioning.captioner import CaptionResult, finite_or_none
 from showattendtell.errors import UserError
-from showattendtell.images import full_size
-from showattendtell.inference import CaptionResult, finite_or_none
+from showattendtell.images.files import full_size
+from showattendtell.search.decoding import DecodingConfig
 
 from . import options
 from .uploads import read_upload, upload_path
@@ -85,7 +85,7 @@ def caption_image(
     captioner = service.get(model)  # an unknown model fails before any decoding
     config = service.decoding(captioner.name, **decoding)  # so does an option out of range
     with service.cache.using(upload_path(image)):
-        img = read_upload(image, service.max_upload_bytes, captioner.input_size)
+        img = read_upload(image, service.max_upload_bytes, captioner.input_size, service.cache)
     served = service.caption_ranked(img, captioner.name, config)
     return Captioned(
         img,

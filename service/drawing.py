@@ -1,8 +1,8 @@
 """Attention overlays for the web UI, on a colour scale labelled with real attention weights.
 
-``showattendtell.overlay`` stretches every map to its own maximum (used as is for the caption
-sheet). Here the scale is explicit: colour ``0 .. vmax`` where ``vmax`` is either the largest
-weight over every word of the caption (the default: one fixed scale, so a nearly uniform map
+``showattendtell.captioning.overlays`` stretches every map to its own maximum (used as is for
+the caption sheet). Here the scale is explicit: colour ``0 .. vmax`` where ``vmax`` is either the
+largest weight over every word of the caption (the default: one fixed scale, so a nearly uniform map
 looks pale next to a focused one) or the word's own largest weight, and the bar beside the large
 view is labelled with ``vmax``, 0 and the uniform level ``1/L`` (L = grid cells). A map whose
 largest weight is under ``FLAT_RATIO`` times the uniform level is *flat* (the model looked
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from showattendtell.overlay import colour_bar, label_font, overlay_attention
+from showattendtell.captioning.overlays import colour_bar, label_font, overlay_attention
 
 SCALES = ("caption", "word")  # colour scale: the caption's maximum, or each word's own
 DEFAULT_SCALE = "caption"

@@ -7,9 +7,9 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
+from showattendtell.captioning.overlays import caption_sheet
 from showattendtell.errors import UserError
-from showattendtell.images import ImageError
-from showattendtell.overlay import caption_sheet
+from showattendtell.images.files import ImageError
 
 from . import drawing, options
 from .captioning import Captioned, caption_image

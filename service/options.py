@@ -1,7 +1,7 @@
 """The decoding options in the web UI and the API, made from decoding.py's one table.
 
-``showattendtell.decoding.DECODING_OPTIONS`` declares every ``DecodingConfig`` field once (its
-range, label, help and control); here each becomes a UI control, a hidden input of the
+``showattendtell.search.options.DECODING_OPTIONS`` declares every ``DecodingConfig`` field once
+(its range, label, help and control); here each becomes a UI control, a hidden input of the
 ``/caption`` API and a control update when another model is chosen. Nothing here names an
 option, so a new option needs no change in the service.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import gradio as gr
 
-from showattendtell.decoding import DECODING_OPTIONS, DecodingConfig, DecodingOption
-from showattendtell.inference import Captioner
+from showattendtell.captioning.captioner import Captioner
+from showattendtell.search.decoding import DECODING_OPTIONS, DecodingConfig, DecodingOption
 
 
 def elem_id(opt: DecodingOption) -> str:

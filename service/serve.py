@@ -10,7 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
-from showattendtell.cli_common import (
+from showattendtell.cli.common import (
     add_decoding_args,
     add_device_args,
     add_model_arg,

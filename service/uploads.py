@@ -2,7 +2,7 @@
 
 Uploads reach the service as file paths inside Gradio's upload folder (the events run with
 ``preprocess=False``), or as inline data URLs; :func:`read_upload` decodes them only with
-``showattendtell.images.open_image``, which refuses decompression bombs before reading pixels.
+``showattendtell.images.files.open_image``, which refuses decompression bombs before reading pixels.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Any
 
 from PIL import Image
 
-from showattendtell.images import IMAGE_SUFFIXES, ImageError, open_image
+from showattendtell.images.files import IMAGE_SUFFIXES, ImageError, open_image
 
+from .cache import CacheBound
 from .worker import ServiceError
 
 MAX_EXAMPLES = 8
@@ -24,6 +25,10 @@ EXAMPLES_DIR = Path(__file__).parent / "examples"  # shipped with the package (R
 
 NO_IMAGE = "no image: upload, paste or pick an example image first"
 NOT_AN_UPLOAD = "an image comes as an upload or inline (a data: URL); other URLs are not read"
+NOT_OURS = (
+    "an image comes as an upload to this server or inline (a data: URL); "
+    "other files on the server are not read"
+)
 
 
 def upload_source(upload: Any, max_bytes: int | None = None) -> str | bytes:
@@ -61,16 +66,26 @@ def upload_path(upload: Any) -> str | None:
 
 
 def read_upload(
-    upload: Any, max_bytes: int | None = None, min_size: int | None = None
+    upload: Any,
+    max_bytes: int | None = None,
+    min_size: int | None = None,
+    cache: CacheBound | None = None,
 ) -> Image.Image:
     """Decode an upload (a Gradio file dict, a path, a data URL, bytes or a PIL image) to an
     upright RGB image (a large JPEG at a reduced size no smaller than ``min_size``, as
     ``open_image`` does for `sat caption`: the same encoder input from both). An ImageError
-    names the file as the user knows it, not by its path on the server."""
+    names the file as the user knows it, not by its path on the server.
+
+    A path is read only if ``cache`` says Gradio placed it in this app's cache: any other path
+    a client names is refused before it is touched, with one message whether or not it exists
+    (a client must not learn which files the server has, nor make it decode them)."""
     source = (
         upload if isinstance(upload, (bytes, Image.Image)) else upload_source(upload, max_bytes)
     )
     name = upload.get("orig_name") if isinstance(upload, dict) else None
+    outside = isinstance(source, str) and cache is not None and not cache.holds(source)
+    if outside and not cache.removed(source):
+        raise ServiceError(NOT_OURS)
     if isinstance(source, str) and not Path(source).exists():
         # removed from Gradio's cache (cache.py) since it was uploaded: the page still shows it
         raise ServiceError(

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from PIL import Image
 
-from showattendtell import familiarity
-from showattendtell.catalog import bundled_models, default_model_path, resolve_models
-from showattendtell.consensus import ConsensusIndex
-from showattendtell.decoding import DECODING_OPTIONS, DecodingConfig
+from showattendtell.captioning.captioner import Captioner, CaptionResult, load_model
+from showattendtell.captioning.catalog import bundled_models, default_model_path, resolve_models
 from showattendtell.errors import UserError
-from showattendtell.images import image_warning, preprocess
-from showattendtell.inference import Captioner, CaptionResult, load_model
+from showattendtell.images.files import image_warning, preprocess
+from showattendtell.search import familiarity
+from showattendtell.search.consensus import ConsensusIndex
+from showattendtell.search.decoding import DECODING_OPTIONS, DecodingConfig
 
 from .cache import CacheBound
 

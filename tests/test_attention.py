@@ -2,7 +2,7 @@ import pytest
 import torch
 from helpers import make_batch, small_decoder
 
-from showattendtell.losses import doubly_stochastic_penalty, soft_attention_loss
+from showattendtell.training.losses import doubly_stochastic_penalty, soft_attention_loss
 
 
 def test_attention_weights_sum_to_one_at_every_step():
@@ -56,7 +56,7 @@ def test_attention_weights_are_the_tanh_scores_softmax_with_their_gradients(
     """AdditiveAttention.weights computes the scores as 2 w^T sigmoid(2x), on a CPU in pieces
     of images, forward and backward (PiecewiseScores): alpha and every gradient must be those
     of softmax(w^T tanh(x))."""
-    from showattendtell import attention
+    from showattendtell.network import attention
 
     G, L, A = 7, 5, 8
     monkeypatch.setattr(attention, "CPU_SCORE_BYTES", per_piece * beams * L * A * 8)  # float64

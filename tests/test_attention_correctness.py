@@ -12,7 +12,8 @@ from conftest import COCO_SUBSET, SHARED, needs_coco_subset
 from helpers.evaluate import evaluate_argv
 from helpers.marks import needs_java
 
-from showattendtell.attention_correctness import (
+from showattendtell.cli.main import main
+from showattendtell.evaluation.attention_correctness import (
     BIGRAM_TO_CATEGORY,
     COCO_CATEGORIES,
     WORD_TO_CATEGORY,
@@ -25,7 +26,6 @@ from showattendtell.attention_correctness import (
     score_results,
     word_correctness,
 )
-from showattendtell.cli import main
 
 COCO_TRAIN_MINI = SHARED / "data" / "coco2017_train_mini"
 TRAIN_INSTANCES = COCO_TRAIN_MINI / "annotations" / "instances_train2017.json"
@@ -290,7 +290,7 @@ def test_uniform_attention_has_ratio_one_on_real_masks(tmp_path):
 def test_masks_turn_with_the_photos_exif_orientation(tmp_path):
     from PIL import Image
 
-    from showattendtell.images import open_image
+    from showattendtell.images.files import open_image
 
     # stored 40 x 20, the dog on the left half; EXIF 6: shown turned a quarter clockwise
     pixels = np.zeros((20, 40, 3), np.uint8)

@@ -19,9 +19,9 @@ from helpers.photos import photos
 from helpers.processes import start_sat
 from PIL import Image
 
-from showattendtell.caption_output import scan_output
-from showattendtell.cli import main
-from showattendtell.commands.caption import overlay_names
+from showattendtell.captioning.records import scan_output
+from showattendtell.cli.caption import overlay_names
+from showattendtell.cli.main import main
 
 
 def quick_run(model: Path) -> list[str]:
@@ -125,7 +125,7 @@ def test_mixed_folder_recursive_jsonl(mixed_folder, tiny_model_file, tmp_path, m
     assert "photos/nested/truncated.jpg: the image data is corrupt" in err
 
     # batched beam search over the folder gives what captioning each image alone gives
-    from showattendtell.inference import load_model
+    from showattendtell.captioning.captioner import load_model
 
     captioner = load_model(tiny_model_file, "cpu")
     by_path = {r["path"]: r for r in records}
@@ -532,8 +532,8 @@ def test_a_few_photos_are_captioned_on_the_cpu_of_a_gpu_machine(
 
     import torch
 
-    from showattendtell.commands import caption
-    from showattendtell.distributed import Processes
+    from showattendtell.captioning.distributed import Processes
+    from showattendtell.cli import caption
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = argparse.Namespace(device=device, decode_on="cpu", precision="32")

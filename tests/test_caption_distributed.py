@@ -19,8 +19,8 @@ from conftest import ROOT, SHARED
 from helpers.photos import link_photos
 from helpers.processes import start_sat
 
-from showattendtell.cli import main
-from showattendtell.distributed import share_batches
+from showattendtell.captioning.distributed import share_batches
+from showattendtell.cli.main import main
 
 TRAIN_MINI = SHARED / "data" / "coco2017_train_mini" / "images"
 N = 60

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from helpers.photos import write_photos
 
-from showattendtell.caption_output import OutputError, check_made_by, output_format, scan_output
-from showattendtell.cli import main
+from showattendtell.captioning.records import check_made_by, output_format, scan_output
+from showattendtell.cli.main import main
+from showattendtell.outputs import OutputError
 
 
 @pytest.fixture
@@ -173,7 +174,7 @@ def test_a_lock_removes_only_its_own_empty_file(tmp_path):
     """The file a lock made goes when nothing was written to it; a file put at the path since
     (the first one removed, as `sat evaluate` removes its partial file) is another run's."""
     pytest.importorskip("fcntl")
-    from showattendtell.caption_output import OutputLock
+    from showattendtell.outputs import OutputLock
 
     out = tmp_path / "out.jsonl"
     OutputLock(out).release()
@@ -191,7 +192,7 @@ def test_a_second_run_on_the_same_output_stops_in_one_line(
     """While a run holds --output (here: a lock taken as a running `sat caption` takes it), a
     second run on that file, fresh or --resume, exits 2 in one line and leaves it byte for byte."""
     pytest.importorskip("fcntl")
-    from showattendtell.caption_output import OutputLock
+    from showattendtell.outputs import OutputLock
 
     out = tmp_path / "out.jsonl"
     assert caption(tmp_path, monkeypatch, tiny_model_file, images[0], "-o", "out.jsonl") == 0

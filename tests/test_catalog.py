@@ -7,9 +7,9 @@ import json
 import pytest
 from helpers.photos import write_photos
 
-from showattendtell.catalog import ModelNotFound, bundled_models, resolve_model
-from showattendtell.cli import main
-from showattendtell.inference import load_model
+from showattendtell.captioning.captioner import load_model
+from showattendtell.captioning.catalog import ModelNotFound, bundled_models, resolve_model
+from showattendtell.cli.main import main
 
 
 def test_bundled_models_are_named_by_their_stem():
@@ -122,7 +122,7 @@ def test_a_sat_model_that_is_no_model_file_is_said_to_come_from_it(
 
 def test_sat_model_may_name_a_bundled_model(monkeypatch):
     """As --model does: SAT_MODEL=flickr8k_lite2_hard makes the hard model the default."""
-    from showattendtell.catalog import BUNDLED_DIR, default_model_path, named_models
+    from showattendtell.captioning.catalog import BUNDLED_DIR, default_model_path, named_models
 
     monkeypatch.setenv("SAT_MODEL", "flickr8k_lite2_hard")
     assert default_model_path() == BUNDLED_DIR / "flickr8k_lite2_hard.safetensors"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers.processes import start_sat
 
-from showattendtell.cli import main
+from showattendtell.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,9 +89,9 @@ def test_schedule_added_on_resume_matches_a_run_trained_with_it(trained_run, tmp
 
 
 def test_export_and_caption_match_the_checkpoint(trained_run, synthetic_flickr, capsys):
-    from showattendtell.images import open_image, preprocess
-    from showattendtell.lit_module import CaptionModule
+    from showattendtell.images.files import open_image, preprocess
     from showattendtell.model import DecodingConfig
+    from showattendtell.training.lit_module import CaptionModule
 
     run, _, _ = trained_run
     ckpt = run / "checkpoints" / "last.ckpt"
@@ -121,7 +121,7 @@ def test_export_and_caption_match_the_checkpoint(trained_run, synthetic_flickr, 
 def test_hard_run_starts_from_the_soft_run(trained_run, tmp_path):
     """--model.init_from copies the decoder of a trained run (checkpoint or model file) into a
     new run, here hard attention from soft; a different architecture is refused in one line."""
-    from showattendtell.lit_module import CaptionModule
+    from showattendtell.training.lit_module import CaptionModule
 
     run, args, _ = trained_run
     soft = run / "checkpoints" / "last.ckpt"
@@ -164,7 +164,7 @@ def test_hard_run_starts_from_the_soft_run(trained_run, tmp_path):
 
 
 def _fit_and_return_module(args: list[str]):
-    from showattendtell.commands.train import build_cli
+    from showattendtell.cli.train import build_cli
 
     cli = build_cli(args[1:])
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -498,8 +498,8 @@ def test_main_called_again_logs_to_the_stderr_of_the_moment(monkeypatch):
     """A notebook calls main() again and again while sys.stderr changes (each cell's, a test's
     capture, closed after it): each call's lines go to the stderr of that call, once, and no
     handler is left behind to write to a closed stream ("--- Logging error ---")."""
-    from showattendtell.commands import models
-    from showattendtell.commands import train as train_command
+    from showattendtell.cli import models
+    from showattendtell.cli import train as train_command
 
     def logs(what: str):
         return lambda *args: logging.getLogger(f"showattendtell.{what}").info(what) or 0

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import SHARED
 
-from showattendtell import metrics
-from showattendtell.cli import main
+from showattendtell.cli.main import main
+from showattendtell.evaluation import metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_MINI = SHARED / "data" / "coco2017_train_mini"  # 80 train2017 photos and their captions
@@ -188,7 +188,7 @@ def test_soft_config_on_the_official_2017_files(soft_run, coco_root, feature_cac
 def test_hard_config_starts_from_the_exported_soft_model(
     soft_run, coco_root, feature_cache, tmp_path, capsys, caplog
 ):
-    from showattendtell.inference import load_model
+    from showattendtell.captioning.captioner import load_model
 
     _, soft = soft_run
     caplog.set_level(logging.INFO, logger="showattendtell")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from showattendtell.cli import main
-from showattendtell.commands.train import build_cli
-from showattendtell.config_files import BASE_KEY, config_chain, expand_bases
+from showattendtell.cli.main import main
+from showattendtell.cli.train import build_cli
+from showattendtell.training.config_files import BASE_KEY, config_chain, expand_bases
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))

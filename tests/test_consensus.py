@@ -11,12 +11,12 @@ import pytest
 import torch
 from helpers.photos import write_photos
 
-from showattendtell.cli import main
-from showattendtell.consensus import ConsensusIndex
-from showattendtell.decoding import DecodingConfig, DecodingError
-from showattendtell.inference import load_model
-from showattendtell.metrics import CiderDReward
+from showattendtell.captioning.captioner import load_model
+from showattendtell.cli.main import main
+from showattendtell.evaluation.metrics import CiderDReward
 from showattendtell.model_file import describe_model, read_model, save_model
+from showattendtell.search.consensus import ConsensusIndex
+from showattendtell.search.decoding import DecodingConfig, DecodingError
 
 WORDS = [
     "a",
@@ -340,7 +340,7 @@ def test_a_feature_cache_of_another_encoder_is_refused(
 
 
 def test_build_index_from_a_dataset_in_python(tiny_model_file, synthetic_flickr):
-    from showattendtell.consensus import build_index
+    from showattendtell.captioning.consensus_index import build_index
     from showattendtell.data.datasets import load_flickr8k
     from showattendtell.errors import UsageError
 

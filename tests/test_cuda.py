@@ -23,7 +23,7 @@ EXAMPLES = sorted((ROOT / "service" / "examples").glob("*.jpg"))
 @pytest.fixture(scope="module")
 def grids():
     """The bundled model on the GPU and the annotation grids of 128 photos (examples repeated)."""
-    from showattendtell.inference import load_model
+    from showattendtell.captioning.captioner import load_model
 
     captioner = load_model(None, "cuda")
     batch = torch.stack([captioner.preprocess(EXAMPLES[i % len(EXAMPLES)]) for i in range(128)])
@@ -36,7 +36,7 @@ def test_graph_search_gives_the_ungraphed_searchs_captions(grids, beam_size, pre
     """The same captions in float32. In bf16 a batch padded up to a power of two runs other
     matmul kernels, whose roundings can turn a close call (on an H100: 2 of 37 photos, beam
     3), as the two ungraphed strategies also differ from each other."""
-    from showattendtell.decoding import DecodingConfig, generate
+    from showattendtell.search.decoding import DecodingConfig, generate
 
     captioner, annotations = grids
     decoder = captioner.model.decoder
@@ -58,8 +58,8 @@ def test_graph_search_gives_the_ungraphed_searchs_captions(grids, beam_size, pre
 def test_graphed_training_step_gives_eager_loss_and_gradients(attention):
     from helpers import make_batch, small_decoder
 
-    from showattendtell.graphed import GraphedLoss
-    from showattendtell.losses import hard_attention_loss, soft_attention_loss
+    from showattendtell.kernels.graphed import GraphedLoss
+    from showattendtell.training.losses import hard_attention_loss, soft_attention_loss
 
     a, caps, lengths = (x.cuda() for x in make_batch(B=16, T=12, L=9, D=12))
     locs = torch.randint(0, 9, (16, 12), device="cuda")
@@ -94,7 +94,7 @@ def test_the_gpu_training_pass_gives_the_reference_equations(attend):
     from helpers import make_batch, small_decoder
     from oracles.equations import reference_soft_loss
 
-    from showattendtell.losses import soft_attention_loss
+    from showattendtell.training.losses import soft_attention_loss
 
     a, caps, lengths = (x.cuda() for x in make_batch(B=6, T=9, L=7, D=12))
     dec = small_decoder(attend=attend).cuda()
@@ -118,7 +118,7 @@ def test_the_steps_triton_kernels_run_on_the_gpu():
     autograd's operations (the same values, slower) after one warning."""
     import warnings
 
-    from showattendtell import gpu_kernels
+    from showattendtell.kernels import gpu_kernels
 
     x = torch.zeros(1, device="cuda")
     with warnings.catch_warnings():
@@ -131,7 +131,7 @@ def test_the_steps_triton_kernels_run_on_the_gpu():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA GPU")
 def test_the_steps_kernels_run_on_the_tensors_gpu_not_the_current_one():
     """Triton launches on the current device: `--device cuda:1` must still compute there."""
-    from showattendtell.lstm_cell import lstm_cell
+    from showattendtell.kernels.lstm_cell import lstm_cell
 
     torch.cuda.set_device(0)
     gates, c = torch.randn(3, 40, device="cuda:1"), torch.randn(3, 10, device="cuda:1")
@@ -175,7 +175,7 @@ def test_sat_train_records_its_graph_beside_the_data_loader(tmp_path):
 
 
 def test_captions_and_familiarity_on_the_gpu_are_the_cpus():
-    from showattendtell.inference import load_model
+    from showattendtell.captioning.captioner import load_model
 
     photos = EXAMPLES[:8]
     cpu, gpu = load_model(None, "cpu"), load_model(None, "cuda")

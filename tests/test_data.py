@@ -17,7 +17,7 @@ import pytest
 from helpers.photos import encode
 from PIL import Image
 
-from showattendtell.cli import main
+from showattendtell.cli.main import main
 from showattendtell.data import download
 from showattendtell.data.datasets import DatasetError, load_split
 

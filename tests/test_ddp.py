@@ -125,7 +125,7 @@ from pathlib import Path
 
 import lightning as L
 
-from showattendtell.commands.train import build_cli
+from showattendtell.cli.train import build_cli
 
 
 class CountImages(L.Callback):
@@ -283,7 +283,7 @@ def _baseline_worker(rank: int, world: int, init_file: str, out: str) -> None:
     import torch.distributed as dist
     from helpers import make_batch, small_decoder
 
-    from showattendtell.objectives import HardAttentionConfig, HardAttentionReinforce
+    from showattendtell.training.objectives import HardAttentionConfig, HardAttentionReinforce
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

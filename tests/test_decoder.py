@@ -4,7 +4,8 @@ import pytest
 import torch
 from helpers import CountOperations, feats, make_batch, small_decoder
 
-from showattendtell.decoding import START
+from showattendtell.network.vocab import PAD
+from showattendtell.search.decoding import START
 
 
 def test_word_gate_table_gives_the_steps_of_the_matmul():
@@ -72,8 +73,8 @@ def test_fixed_shape_training_gives_the_shrinking_batch_values_and_gradients():
     """Decoder.forward's two recurrences, hard attention with forced locations and both
     attends: the same losses' terms, alphas, locations and gradients; the fixed one also with
     the captions padded to a longer length (as CUDA graphs get them: graphed.pad_captions)."""
-    from showattendtell.graphed import pad_captions
-    from showattendtell.losses import hard_attention_loss, soft_attention_loss
+    from showattendtell.kernels.graphed import pad_captions
+    from showattendtell.training.losses import hard_attention_loss, soft_attention_loss
 
     a, caps, lengths = make_batch(B=6, T=9, L=7, D=12)
     locs = torch.randint(0, 7, (6, 13), generator=torch.Generator().manual_seed(3))
@@ -83,7 +84,7 @@ def test_fixed_shape_training_gives_the_shrinking_batch_values_and_gradients():
         for fixed, tokens in ((False, 10), (True, 10), (True, 14)):
             out = dec(
                 a,
-                pad_captions(caps, tokens),
+                pad_captions(caps, tokens, PAD),
                 lengths,
                 mode="forced" if attention == "hard" else "expectation",
                 locations=locs,
@@ -115,8 +116,8 @@ def test_cpu_training_scores_in_pieces_give_the_plain_values_and_gradients(monke
     gradient buffer for W_a a shared by all words (piecewise_scores.py). Both recurrences, both
     attends, soft and hard: the same losses and gradients as the scores computed whole by
     autograd, in the sigmoid form (a CPU's) and with tanh itself (a GPU's)."""
-    from showattendtell import attention
-    from showattendtell.losses import hard_attention_loss, soft_attention_loss
+    from showattendtell.network import attention
+    from showattendtell.training.losses import hard_attention_loss, soft_attention_loss
 
     a, caps, lengths = make_batch(B=7, T=9, L=5, D=12)
     a = a.double()
@@ -150,8 +151,8 @@ def test_cpu_training_scores_in_pieces_give_the_plain_values_and_gradients(monke
 
 def test_shared_keys_give_no_gradient_to_rows_no_word_read():
     """keys[:n] (the shrinking batch) reads the first n images only: the others' gradient is 0."""
-    from showattendtell.attention import AdditiveAttention
-    from showattendtell.piecewise_scores import SharedKeys
+    from showattendtell.kernels.piecewise_scores import SharedKeys
+    from showattendtell.network.attention import AdditiveAttention
 
     torch.manual_seed(0)
     att = AdditiveAttention(6, 8).double()
@@ -174,8 +175,8 @@ def test_the_fixed_shape_pass_takes_few_operations_per_word(monkeypatch, attenti
     added apart; the sigmoid form) soft attention takes 59. Under bf16 autocast without its
     cache (as in a CUDA graph, graphed.py) only the score vector w is cast a word, both ways:
     not the weights, not the grid."""
-    from showattendtell import attention as attention_module
-    from showattendtell.losses import hard_attention_loss, soft_attention_loss
+    from showattendtell.network import attention as attention_module
+    from showattendtell.training.losses import hard_attention_loss, soft_attention_loss
 
     monkeypatch.setattr(attention_module, "PIECEWISE_ON_CPU", False)
     monkeypatch.setattr(attention_module, "SLOW_TANH", set())

@@ -7,7 +7,7 @@ from helpers.photos import write_photos
 from oracles.search import _block_repeats as reference_block_repeats
 from oracles.search import reference_beam_search, reference_greedy_decode
 
-from showattendtell.decoding import (
+from showattendtell.search.decoding import (
     END,
     UNK,
     _ban_repeats,
@@ -231,8 +231,8 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize("options", BAD_OPTIONS, ids=lambda o: f"{o}")
 def test_bad_decoding_options_are_refused_everywhere(options, tiny_model_file, tmp_path, capsys):
     from showattendtell import caption_images, load_model
-    from showattendtell.cli import main
-    from showattendtell.decoding import DecodingConfig, DecodingError
+    from showattendtell.cli.main import main
+    from showattendtell.search.decoding import DecodingConfig, DecodingError
 
     with pytest.raises(DecodingError) as e:
         DecodingConfig().with_overrides(**options)
@@ -252,7 +252,7 @@ def test_bad_decoding_options_are_refused_everywhere(options, tiny_model_file, t
 
 
 def test_integral_floats_are_whole_numbers_and_none_keeps_the_default():
-    from showattendtell.decoding import DecodingConfig
+    from showattendtell.search.decoding import DecodingConfig
 
     cfg = DecodingConfig(beam_size=5).with_overrides(beam_size=None, max_length=12.0)
     assert cfg.beam_size == 5 and cfg.max_length == 12 and isinstance(cfg.max_length, int)
@@ -275,7 +275,7 @@ def test_a_model_file_with_bad_stored_decoding_is_refused(tiny_model_file, tmp_p
 
 def fixed_loops(dec, a, ngram=2):
     """The fixed-shape search's step loops (greedy and beam 3) from a started state."""
-    from showattendtell.decoding import _beam_fixed_steps, _greedy_fixed_loop
+    from showattendtell.search.decoding import _beam_fixed_steps, _greedy_fixed_loop
 
     for loop, args in (
         (_greedy_fixed_loop, (8, "argmax", False, ngram)),
@@ -327,8 +327,8 @@ def test_fixed_search_loops_compile_without_graph_breaks():
 
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_both_strategies_give_an_ensembles_captions(beam_size):
-    from showattendtell.decoding import DecodingConfig, generate
     from showattendtell.ensemble import EnsembleDecoder
+    from showattendtell.search.decoding import DecodingConfig, generate
 
     dec = EnsembleDecoder([later_end_decoder("hard"), later_end_decoder("soft", attend="after")])
     a = feats(B=6)

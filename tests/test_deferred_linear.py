@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from showattendtell.deferred_linear import DeferredLinear
+from showattendtell.kernels.deferred_linear import DeferredLinear
 
 
 def _recurrence(linear, W, b, xs, adds, dtype=torch.float64):

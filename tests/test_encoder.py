@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import RESNET50_CAFFE, needs_resnet50
 
-from showattendtell.encoder import Encoder, EncoderConfig
+from showattendtell.network.encoder import Encoder, EncoderConfig
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_shared_caffe_resnet50_classifies_a_real_photo():
     import torchvision
     from conftest import COCO_SUBSET
 
-    from showattendtell.images import open_image, preprocess
+    from showattendtell.images.files import open_image, preprocess
 
     photo = COCO_SUBSET / "images" / "000000078915.jpg"
     if not photo.is_file():

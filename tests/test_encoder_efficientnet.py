@@ -10,14 +10,14 @@ import torch
 from conftest import COCO_SUBSET, RESNET50_CAFFE, needs_coco_subset, needs_resnet50
 from PIL import Image
 
-from showattendtell.encoder import (
+from showattendtell.images.files import open_image, preprocess
+from showattendtell.network.encoder import (
     EFFICIENTNETS,
     Encoder,
     EncoderConfig,
     efficientnet_weights_path,
     map_efficientnet_state_dict,
 )
-from showattendtell.images import open_image, preprocess
 
 timm = pytest.importorskip("timm")
 
@@ -196,10 +196,10 @@ def test_lite0_wheel_weights_classify_real_photos():
 
 
 def test_model_file_round_trip_needs_no_weights_wheel(tmp_path, monkeypatch):
-    from showattendtell.decoder import DecoderConfig
     from showattendtell.model import CaptionModel
     from showattendtell.model_file import read_model, save_model
-    from showattendtell.vocab import Vocabulary
+    from showattendtell.network.decoder import DecoderConfig
+    from showattendtell.network.vocab import Vocabulary
 
     enc = EncoderConfig(backbone="efficientnet_lite1", weights=None, input_size=64)
     dec = DecoderConfig(embed_dim=8, hidden_dim=8, attention_dim=8)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from helpers.photos import write_photos
 
-from showattendtell.catalog import ModelNotFound, resolve_models
-from showattendtell.cli import main
+from showattendtell.captioning.captioner import load_model
+from showattendtell.captioning.catalog import ModelNotFound, resolve_models
+from showattendtell.cli.main import main
 from showattendtell.ensemble import EnsembleError, EnsembleModel
-from showattendtell.inference import load_model
 from showattendtell.model_file import read_model, save_model
-from showattendtell.vocab import Vocabulary
+from showattendtell.network.vocab import Vocabulary
 
 
 def test_an_ensemble_of_a_model_with_itself_is_that_model(tiny_model_file, tmp_path):

@@ -10,8 +10,8 @@ from conftest import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k, w
 from helpers.evaluate import evaluate_argv
 from helpers.marks import needs_java
 
-from showattendtell import metrics
-from showattendtell.cli import main
+from showattendtell.cli.main import main
+from showattendtell.evaluation import metrics
 
 KEYS = ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"]
 REPETITION = ["repeated_bigram_captions", "mean_words"]
@@ -28,11 +28,11 @@ def model_file(tmp_path_factory):
     (built in seconds, unlike a trained one on this shared machine)."""
     import torch
 
-    from showattendtell.decoder import DecoderConfig
-    from showattendtell.encoder import EncoderConfig
     from showattendtell.model import CaptionModel, DecodingConfig
     from showattendtell.model_file import save_model
-    from showattendtell.vocab import Vocabulary
+    from showattendtell.network.decoder import DecoderConfig
+    from showattendtell.network.encoder import EncoderConfig
+    from showattendtell.network.vocab import Vocabulary
 
     torch.manual_seed(0)
     vocab = Vocabulary.build(
@@ -168,7 +168,7 @@ def test_an_unwritable_output_is_refused_before_any_photo_is_read(
 ):
     """Root may write anywhere chmod allows, so the tests use places no one can write: a path
     whose folder would have to be a file, and /proc."""
-    from showattendtell.commands import evaluate
+    from showattendtell.cli import evaluate
 
     def never(*args, **kwargs):
         raise AssertionError("captioning started")
@@ -209,7 +209,7 @@ def test_scores_are_printed_when_the_results_cannot_be_written(
     where the captions were kept instead (and the partial captions stay, for --resume)."""
     import errno
 
-    from showattendtell.commands import evaluate
+    from showattendtell.cli import evaluate
 
     write = evaluate.write_json_atomic
 
@@ -252,7 +252,7 @@ def test_overwrite_never_replaces_a_file_of_the_dataset(model_file, tmp_path, ca
         err = capsys.readouterr().err.strip()
         assert err.endswith("not a results file; write the results elsewhere") and "\n" not in err
     assert {p: p.read_bytes() for p in dataset_files} == before
-    from showattendtell.commands.evaluate import _is_results_file
+    from showattendtell.cli.evaluate import _is_results_file
 
     mine = root / "results.json"
     mine.write_text(json.dumps([{"image_id": "1000_synthetic", "caption": "a dog"}]))
@@ -266,7 +266,7 @@ def test_a_results_file_gets_the_usual_permissions(tmp_path):
     under umask 022, as a file made by open() would be."""
     import os
 
-    from showattendtell.commands.evaluate import write_json_atomic
+    from showattendtell.cli.evaluate import write_json_atomic
 
     old = os.umask(0o022)
     try:
@@ -360,7 +360,7 @@ def test_instances_of_other_photo_sizes_are_warned_about_once(
     are stretched, right only for resized copies of the annotated photos: one warning names
     the first photo that differs and both sizes, before any captioning. A photo annotated as
     shown (turned by its EXIF orientation) is not one of them."""
-    from showattendtell.commands import evaluate
+    from showattendtell.cli import evaluate
 
     class Stop(Exception):
         pass
@@ -398,7 +398,7 @@ def test_instances_of_other_photo_sizes_are_warned_about_once(
 def interrupt_after(monkeypatch, n: int, stop: type[BaseException] = KeyboardInterrupt) -> list:
     """Captioning stops as on Ctrl-C (``stop``: KeyboardInterrupt) or SIGTERM (Terminated)
     after ``n`` records; returns the lists of photos each later run was asked to caption."""
-    from showattendtell import pipeline
+    from showattendtell.captioning import pipeline
 
     real = getattr(pipeline.caption_files, "unwrapped", pipeline.caption_files)
     asked: list[list[str]] = []
@@ -497,7 +497,7 @@ def test_a_second_run_on_the_same_output_stops_in_one_line(
     second run on that --output, fresh or --resume, exits 2 in one line and leaves both files
     byte for byte, before the model loads; once the lock goes, --resume goes on."""
     fcntl = pytest.importorskip("fcntl")
-    from showattendtell import inference
+    from showattendtell.captioning import captioner as inference
 
     no_java_needed(monkeypatch)
     loads = []
@@ -534,7 +534,7 @@ def test_a_run_refused_before_captioning_leaves_no_partial_file(
 ):
     """The lock creates the partial file; a run that stops before its first caption (here:
     its settings cannot be written) removes it again."""
-    from showattendtell.commands import evaluate_captions
+    from showattendtell.cli import evaluate_captions
 
     def unwritable(path, data):
         raise PermissionError(13, "Permission denied")
@@ -589,7 +589,7 @@ def test_an_output_that_is_no_regular_file_is_written_not_replaced(tmp_path):
     import stat
     import threading
 
-    from showattendtell.commands.evaluate import write_json_atomic
+    from showattendtell.cli.evaluate import write_json_atomic
 
     fifo = tmp_path / "results.fifo"
     os.mkfifo(fifo)

@@ -13,11 +13,13 @@ import torch
 from helpers.photos import write_photos
 from PIL import Image
 
-from showattendtell import familiarity
-from showattendtell.cli import main
-from showattendtell.consensus import ConsensusIndex
-from showattendtell.decoding import DecodingConfig
-from showattendtell.familiarity import (
+from showattendtell.captioning.captioner import CaptionResult, load_model
+from showattendtell.cli.main import main
+from showattendtell.model_file import read_model, save_model
+from showattendtell.search import familiarity
+from showattendtell.search.consensus import ConsensusIndex
+from showattendtell.search.decoding import DecodingConfig
+from showattendtell.search.familiarity import (
     BOTH_WARNING,
     TYPICAL_LOG_PROB,
     UNLIKE,
@@ -25,8 +27,6 @@ from showattendtell.familiarity import (
     WARNING,
     Familiarity,
 )
-from showattendtell.inference import CaptionResult, load_model
-from showattendtell.model_file import read_model, save_model
 
 DIM = 32
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import ROOT, write_flickr8k_folder
 
-from showattendtell.cli import main
+from showattendtell.cli.main import main
 from showattendtell.data.datamodule import CaptionDataModule
 from showattendtell.data.datasets import load_split
 from showattendtell.data.feature_cache import FeatureCache, FeatureCacheError, cache_dir_for
-from showattendtell.encoder import Encoder, EncoderConfig
-from showattendtell.images import open_image, preprocess
+from showattendtell.images.files import open_image, preprocess
+from showattendtell.network.encoder import Encoder, EncoderConfig
 
 CONFIG = EncoderConfig(backbone="resnet50", weights=None, input_size=64)  # 2x2x2048 grid
 
@@ -324,7 +324,7 @@ def test_fine_tuning_the_top_trains_from_the_frozen_stages_cache(tmp_path):
     """fine_tune_stages with a feature cache: the cache holds the frozen stages' output (its own
     folder), training runs the top stages on it and changes only their weights (and the
     decoder's)."""
-    from showattendtell.lit_module import CaptionModule
+    from showattendtell.training.lit_module import CaptionModule
 
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=6, n_dev=3)
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64, fine_tune_stages=1)

@@ -15,10 +15,14 @@ pytest.importorskip("triton", reason="the fused scores are Triton kernels: pip i
 
 from helpers import make_batch, small_decoder, trained_like_decoder  # noqa: E402
 
-from showattendtell import attention, fused_scores, gpu_kernels  # noqa: E402
-from showattendtell.decoding import beam_search, greedy_decode  # noqa: E402
-from showattendtell.losses import hard_attention_loss, soft_attention_loss  # noqa: E402
-from showattendtell.piecewise_scores import whole_scores  # noqa: E402
+from showattendtell.kernels import (
+    fused_scores,
+    gpu_kernels,  # noqa: E402
+)
+from showattendtell.kernels.piecewise_scores import whole_scores  # noqa: E402
+from showattendtell.network import attention
+from showattendtell.search.decoding import beam_search, greedy_decode  # noqa: E402
+from showattendtell.training.losses import hard_attention_loss, soft_attention_loss  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -177,7 +181,7 @@ def test_the_cell_kernels_give_the_lstm_cells_values_and_gradients(fused, dtypes
     """h_t, c_t and the gradients of the gates and c_{t-1}, for more units than one program
     takes (130 > 128); bf16 gates with a float32 c (autocast): h_t and c_t in the promoted
     dtype, each gradient in its input's dtype, as lstm_cell.py's own backward pass gives."""
-    from showattendtell.lstm_cell import lstm_cell
+    from showattendtell.kernels.lstm_cell import lstm_cell
 
     B, H = 3, 130
     gen = torch.Generator().manual_seed(5)

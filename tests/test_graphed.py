@@ -9,9 +9,10 @@ import pytest
 import torch
 from helpers import count_host_syncs, make_batch, small_decoder
 
-from showattendtell.graphed import GraphedObjective, pad_captions
-from showattendtell.losses import hard_attention_loss, soft_attention_loss
-from showattendtell.objectives import MaximumLikelihood
+from showattendtell.kernels.graphed import GraphedObjective, pad_captions
+from showattendtell.network.vocab import PAD
+from showattendtell.training.losses import hard_attention_loss, soft_attention_loss
+from showattendtell.training.objectives import MaximumLikelihood
 
 
 class Model(torch.nn.Module):  # what an objective reads of the CaptionModel
@@ -31,7 +32,7 @@ class FixedShape(torch.nn.Module):  # the recurrence a GPU runs, on a CPU
 
 def test_captions_longer_than_the_padded_length_are_refused():
     with pytest.raises(ValueError, match="do not fit"):
-        pad_captions(torch.zeros(2, 9, dtype=torch.long), 8)
+        pad_captions(torch.zeros(2, 9, dtype=torch.long), 8, PAD)
 
 
 @pytest.mark.parametrize("attention", ["soft", "hard"])
@@ -61,7 +62,7 @@ def test_graphed_objective_gives_the_objectives_loss_logs_and_gradients():
     loss, logs = objective(model, a, batch)
     expected = torch.autograd.grad(loss, list(model.parameters()))
     for tokens in (None, 12):
-        got, got_logs = GraphedObjective(objective, model, tokens)(a, batch)
+        got, got_logs = GraphedObjective(objective, model, tokens, PAD)(a, batch)
         assert torch.allclose(got, loss, atol=1e-6)
         assert list(got_logs) == list(logs)
         for k, v in logs.items():
@@ -74,7 +75,7 @@ def test_graphed_objective_gives_the_objectives_loss_logs_and_gradients():
 def test_a_search_graph_that_cannot_be_recorded_runs_the_search_itself():
     """Recording needs a CUDA GPU: a failed recording runs the function directly, with its own
     results; after MAX_FAILURES of them, one warning, and no more attempts."""
-    from showattendtell.graphed import MAX_FAILURES, GraphedFunction
+    from showattendtell.kernels.graphed import MAX_FAILURES, GraphedFunction
 
     calls = []
 
@@ -96,7 +97,7 @@ def test_a_search_graph_that_cannot_be_recorded_runs_the_search_itself():
 def test_search_graphs_are_dropped_when_the_weights_change():
     """Between validations the weights change: the graphs recorded against the old ones (and
     the GPU memory they hold) go, rather than waiting to be evicted."""
-    from showattendtell.graphed import GraphedFunction
+    from showattendtell.kernels.graphed import GraphedFunction
 
     graphed = GraphedFunction(lambda x: (x,))
     graphed.forget_unless(("weights", 1))
@@ -110,7 +111,7 @@ def test_search_graphs_are_dropped_when_the_weights_change():
 def test_a_batch_is_padded_to_the_smallest_recorded_graph_that_holds_it():
     """Recording a graph takes up to half a second on a GPU, replaying a larger one
     milliseconds: a batch finds the graphs recorded for its options, dtype and grid."""
-    from showattendtell.graphed import GraphedFunction
+    from showattendtell.kernels.graphed import GraphedFunction
 
     graphed = GraphedFunction(lambda x: (x,))
 
@@ -145,7 +146,7 @@ def test_an_older_torchs_training_graph_records_in_thread_local_mode(monkeypatch
     """torch 2.11's make_graphed_callables takes no capture mode and records through
     ``torch.cuda.graph`` in the global one, which a pin-memory thread breaks: for the length of
     the recording that call gets the thread-local mode, and is itself again afterwards."""
-    from showattendtell.graphed import CAPTURE_MODE, thread_local_capture
+    from showattendtell.kernels.graphed import CAPTURE_MODE, thread_local_capture
 
     def old_make_graphed_callables(callables, sample_args, allow_unused_input=False):
         for _ in ("forward", "backward"):
@@ -167,7 +168,7 @@ def test_an_older_torchs_training_graph_records_in_thread_local_mode(monkeypatch
 
 
 def test_a_newer_torchs_training_graph_is_given_the_mode_itself(monkeypatch):
-    from showattendtell.graphed import CAPTURE_MODE, thread_local_capture
+    from showattendtell.kernels.graphed import CAPTURE_MODE, thread_local_capture
 
     def make_graphed_callables(callables, sample_args, capture_error_mode="global"):
         pass

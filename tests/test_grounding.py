@@ -22,10 +22,15 @@ from showattendtell.data.person_masks import (
     read_person_masks,
     write_person_masks,
 )
-from showattendtell.decoder import Decoder, DecoderConfig
-from showattendtell.encoder import EncoderConfig
-from showattendtell.lit_module import CaptionModule, TrainingConfigError, migrate_hyperparameters
-from showattendtell.objectives import (
+from showattendtell.network.decoder import Decoder, DecoderConfig
+from showattendtell.network.encoder import EncoderConfig
+from showattendtell.network.vocab import Vocabulary
+from showattendtell.training.lit_module import (
+    CaptionModule,
+    TrainingConfigError,
+    migrate_hyperparameters,
+)
+from showattendtell.training.objectives import (
     GroundingConfig,
     HardAttentionConfig,
     HardAttentionReinforce,
@@ -33,7 +38,6 @@ from showattendtell.objectives import (
     ObjectiveConfig,
     grounding_loss,
 )
-from showattendtell.vocab import Vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from showattendtell.images import ImageError, full_size, list_images, open_image, preprocess
+from showattendtell.images.files import ImageError, full_size, list_images, open_image, preprocess
 
 
 def photo(w=40, h=20) -> Image.Image:
@@ -65,8 +65,8 @@ def test_a_reduced_jpeg_stays_upright():
 def test_every_entry_point_feeds_the_encoder_the_same_reduced_photo(tiny_model_file, tmp_path):
     from showattendtell.service.uploads import read_upload
 
-    from showattendtell.images import load_image
-    from showattendtell.inference import load_model
+    from showattendtell.captioning.captioner import load_model
+    from showattendtell.images.files import load_image
 
     path = tmp_path / "big.jpg"
     path.write_bytes(save(photo(2400, 1800), "JPEG", quality=90))
@@ -172,7 +172,7 @@ def test_list_images_finds_by_suffix(tmp_path):
     ],
 )
 def test_degenerate_photos_get_a_warning(size, warned):
-    from showattendtell.images import image_warning
+    from showattendtell.images.files import image_warning
 
     w = image_warning(Image.new("RGB", size, (200, 0, 0)))
     assert (w is None) if warned is None else (warned in w)
@@ -182,7 +182,7 @@ def test_a_one_pixel_photo_is_captioned_with_a_warning(tiny_model_file, tmp_path
     import json
 
     from showattendtell import caption_images, load_model
-    from showattendtell.cli import main
+    from showattendtell.cli.main import main
 
     Image.new("RGB", (1, 1), (255, 0, 0)).save(tmp_path / "pixel.png")
     Image.new("RGB", (64, 64), (255, 0, 0)).save(tmp_path / "fine.png")
@@ -242,7 +242,7 @@ def test_recursive_listing_follows_folder_links_without_looping(tmp_path):
 def test_caption_recursive_through_a_folder_link(tiny_model_file, tmp_path, capsys):
     import json
 
-    from showattendtell.cli import main
+    from showattendtell.cli.main import main
 
     real = tmp_path / "real"
     real.mkdir()
@@ -270,7 +270,8 @@ def test_caption_recursive_through_a_folder_link(tiny_model_file, tmp_path, caps
 def test_workers_send_uint8_and_normalising_the_batch_gives_preprocess_values(tmp_path):
     """The pipeline's workers send resized uint8 images (a quarter of float32's bytes); the
     batch normalised where it arrives is bit for bit what ``preprocess`` gives per image."""
-    from showattendtell.images import load_batches, normalise
+    from showattendtell.images.batches import load_batches
+    from showattendtell.images.files import normalise
 
     rng = np.random.default_rng(0)
     paths = []
@@ -321,7 +322,7 @@ def test_a_decoding_process_is_quiet_once_the_main_process_has_gone(monkeypatch,
     import multiprocessing.queues
     import sys
 
-    from showattendtell.images import quiet_when_orphaned
+    from showattendtell.images.batches import quiet_when_orphaned
 
     queue = multiprocessing.queues.Queue
     monkeypatch.setattr(queue, "_on_queue_feeder_error", queue._on_queue_feeder_error)

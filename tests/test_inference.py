@@ -13,8 +13,13 @@ import torch
 from synthetic import make_example
 
 from showattendtell import caption_images, load_model
-from showattendtell.images import preprocess
-from showattendtell.inference import Captioner, CaptionResult, finite_or_none, resolve_device
+from showattendtell.captioning.captioner import (
+    Captioner,
+    CaptionResult,
+    finite_or_none,
+    resolve_device,
+)
+from showattendtell.images.files import preprocess
 
 
 def test_finite_or_none():
@@ -71,7 +76,7 @@ def test_asking_for_cuda_without_a_gpu_says_so():
 def test_mixed_precision_captioning(tiny_model_file, tmp_path, capsys):
     """--precision bf16 runs under autocast (a GPU's fast path; the CPU has bf16 autocast
     too); 16 needs a GPU and says so; 32 is the default."""
-    from showattendtell.cli import main
+    from showattendtell.cli.main import main
 
     image = make_example(np.random.default_rng(2))[0]
     exact = load_model(tiny_model_file, "cpu").caption([image], beam_size=2)[0]
@@ -115,8 +120,8 @@ def test_odd_inputs_to_caption_images_are_the_projects_one_line_errors(tiny_mode
     not torch's or the os module's TypeError)."""
     from PIL import Image
 
-    from showattendtell.images import ImageError
-    from showattendtell.inference import DeviceError
+    from showattendtell.captioning.captioner import DeviceError
+    from showattendtell.images.files import ImageError
 
     captioner = load_model(tiny_model_file, "cpu")
     assert caption_images(captioner, []) == []

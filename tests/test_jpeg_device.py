@@ -12,10 +12,11 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from showattendtell.images import LoadedImage, load_batches, load_image
-from showattendtell.inference import load_model
-from showattendtell.jpeg_device import decode_jpegs, read_jpeg, upright
-from showattendtell.pipeline import caption_files
+from showattendtell.captioning.captioner import load_model
+from showattendtell.captioning.pipeline import caption_files
+from showattendtell.images.batches import load_batches
+from showattendtell.images.files import LoadedImage, load_image
+from showattendtell.images.jpeg_device import decode_jpegs, read_jpeg, upright
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "service" / "examples").glob("*.jpg"))
@@ -122,7 +123,7 @@ def test_batches_are_page_locked_where_the_dataloader_pins_them(monkeypatch):
     object stays pageable and the copy to the GPU cannot overlap its work."""
     from torch.utils.data._utils.pin_memory import pin_memory
 
-    from showattendtell.images import collate_images
+    from showattendtell.images.batches import collate_images
 
     pinned = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: pinned.append(self) or self)
@@ -133,7 +134,7 @@ def test_batches_are_page_locked_where_the_dataloader_pins_them(monkeypatch):
 
 def test_decoding_on_the_gpu_without_one_is_a_usage_error(tmp_path, capsys):
     """One line saying what to do, exit 2, and no output file made."""
-    from showattendtell.cli import main
+    from showattendtell.cli.main import main
 
     out = tmp_path / "out.jsonl"
     rc = main(["caption", str(EXAMPLES[0]), "--decode-on", "gpu", "--device", "cpu",
@@ -149,7 +150,7 @@ def test_a_decoding_process_decodes_as_the_main_process(tmp_path, monkeypatch):
     """Decoding processes decode plain JPEGs with torchvision (``load_jpeg``), the main process
     with PIL (``load_image``): the same pixels, warnings and error records for every kind of
     file. Only the plain JPEGs that PIL decodes at full size take torchvision's way."""
-    from showattendtell import jpeg_device
+    from showattendtell.images import jpeg_device
 
     plain = [quadrants(tmp_path / f"turned{o}.jpg", o) for o in range(1, 9)]
     Image.fromarray(np.arange(24 * 40, dtype=np.uint8).reshape(24, 40)).save(tmp_path / "l.jpg")
@@ -185,7 +186,8 @@ def test_a_decoding_process_decodes_as_the_main_process(tmp_path, monkeypatch):
 
 
 def test_decoding_processes_take_torchvision_s_way(monkeypatch):
-    from showattendtell import images, jpeg_device
+    from showattendtell.images import files as images
+    from showattendtell.images import jpeg_device
 
     calls = []
     monkeypatch.setattr(jpeg_device, "load_jpeg", lambda *a: calls.append(a) or "decoded")
@@ -197,7 +199,7 @@ def test_decoding_processes_take_torchvision_s_way(monkeypatch):
 
 def test_a_file_gone_after_its_header_was_read_is_an_error_record(tmp_path, monkeypatch):
     """Between the header and the bytes the file went away: a record, not a crashed worker."""
-    from showattendtell import jpeg_device
+    from showattendtell.images import jpeg_device
 
     path = str(quadrants(tmp_path / "q.jpg"))
 
@@ -218,7 +220,7 @@ def test_a_batch_leaves_a_decoding_process_as_one_tensor_of_each_kind(tmp_path):
     """Each tensor a decoding process hands over costs its own shared-memory file and a
     descriptor fetched over a socket: a batch's pixels and its JPEGs' bytes go as one tensor
     each, whatever the number of photos, and the JPEGs come back byte for byte."""
-    from showattendtell.images import collate_images
+    from showattendtell.images.batches import collate_images
 
     jpegs = [quadrants(tmp_path / f"{i}.jpg", 1 + i) for i in range(5)]
     Image.open(jpegs[0]).save(tmp_path / "a.png")  # decoded by the process: pixels

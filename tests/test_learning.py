@@ -8,10 +8,10 @@ from conftest import FLICKR8K, RESNET50_CAFFE, needs_flickr8k, needs_resnet50
 from helpers import encode_captions
 from synthetic import GRID, make_dataset
 
-from showattendtell.decoder import Decoder, DecoderConfig
-from showattendtell.decoding import greedy_decode
-from showattendtell.losses import hard_attention_loss, soft_attention_loss, update_baseline
-from showattendtell.vocab import Vocabulary
+from showattendtell.network.decoder import Decoder, DecoderConfig
+from showattendtell.network.vocab import Vocabulary
+from showattendtell.search.decoding import greedy_decode
+from showattendtell.training.losses import hard_attention_loss, soft_attention_loss, update_baseline
 
 
 @pytest.mark.slow
@@ -19,8 +19,8 @@ from showattendtell.vocab import Vocabulary
 @needs_resnet50
 def test_overfits_a_handful_of_real_photos():
     from showattendtell.data.datasets import load_flickr8k
-    from showattendtell.encoder import Encoder, EncoderConfig
-    from showattendtell.images import open_image, preprocess
+    from showattendtell.images.files import open_image, preprocess
+    from showattendtell.network.encoder import Encoder, EncoderConfig
 
     images = load_flickr8k(FLICKR8K, "train").images[:8]
     captions = [im.captions[0] for im in images]

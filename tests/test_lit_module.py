@@ -6,11 +6,11 @@ import pytest
 import torch
 from helpers import make_batch
 
-from showattendtell.decoder import DecoderConfig
-from showattendtell.encoder import EncoderConfig
-from showattendtell.lit_module import CaptionModule, OptimizerConfig
-from showattendtell.losses import soft_attention_loss
-from showattendtell.objectives import (
+from showattendtell.network.decoder import DecoderConfig
+from showattendtell.network.encoder import EncoderConfig
+from showattendtell.training.lit_module import CaptionModule, OptimizerConfig
+from showattendtell.training.losses import soft_attention_loss
+from showattendtell.training.objectives import (
     HardAttentionReinforce,
     MaximumLikelihood,
     ObjectiveConfig,
@@ -60,7 +60,7 @@ def test_the_learning_rate_is_a_closed_form_of_the_epoch():
 
 
 def test_bad_settings_are_config_errors():
-    from showattendtell.lit_module import TrainingConfigError
+    from showattendtell.training.lit_module import TrainingConfigError
 
     with pytest.raises(TrainingConfigError, match="self_critical_meteor"):
         module(self_critical=2, self_critical_meteor=-1.0)
@@ -69,7 +69,7 @@ def test_bad_settings_are_config_errors():
 
 
 def test_train_only_trains_the_named_decoder_parameters_and_refuses_names_that_match_none():
-    from showattendtell.lit_module import TrainingConfigError
+    from showattendtell.training.lit_module import TrainingConfigError
 
     m = module(optimizer=OptimizerConfig(train_only=["attention."]))
     (group,) = m.configure_optimizers().param_groups

@@ -2,7 +2,7 @@
 
 import torch
 
-from showattendtell.lstm_cell import lstm_cell
+from showattendtell.kernels.lstm_cell import lstm_cell
 
 
 def _plain(gates, c):

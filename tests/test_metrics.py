@@ -11,8 +11,8 @@ import sys
 import pytest
 from helpers.marks import needs_java
 
-from showattendtell import metrics
-from showattendtell.metrics import MetricsError, score_captions
+from showattendtell.evaluation import metrics
+from showattendtell.evaluation.metrics import MetricsError, score_captions
 
 PREDICTIONS = {
     "1": "A man riding a wave on top of a surfboard.",
@@ -139,7 +139,7 @@ def test_predictions_without_references_are_refused():
 
 
 def test_repetition_counts_captions_that_repeat_a_bigram():
-    from showattendtell.metrics import repetition
+    from showattendtell.evaluation.metrics import repetition
 
     got = repetition(
         {
@@ -180,7 +180,7 @@ class StuckMeteor:
 @pytest.mark.parametrize("failure", [KeyboardInterrupt(), ValueError("could not convert")])
 def test_a_meteor_score_cut_short_stops_java_and_leaves_no_lock_held(monkeypatch, failure):
     """Ctrl-C during `sat evaluate`'s METEOR left it waiting for ever at exit."""
-    from showattendtell import metrics
+    from showattendtell.evaluation import metrics
 
     stuck = StuckMeteor(failure)
     monkeypatch.setattr(metrics, "meteor_scorer", lambda: stuck)

@@ -8,8 +8,8 @@ import torch
 from helpers.photos import write_photos
 from synthetic import make_example
 
-from showattendtell.catalog import DEFAULT_BUNDLED, bundled_models
-from showattendtell.inference import load_model
+from showattendtell.captioning.captioner import load_model
+from showattendtell.captioning.catalog import DEFAULT_BUNDLED, bundled_models
 from showattendtell.model_file import ModelFileError, NotAModelFile, read_model, save_model
 
 
@@ -39,7 +39,7 @@ def test_half_precision_file_is_smaller_and_captions_alike(tiny_model_file, tmp_
 
 
 def test_interpolation_needs_the_same_vocabulary_and_architecture(tiny_model_file):
-    from showattendtell.vocab import Vocabulary
+    from showattendtell.network.vocab import Vocabulary
 
     model, _, _ = read_model(tiny_model_file)
     other, _, _ = read_model(tiny_model_file)
@@ -126,7 +126,7 @@ def test_a_file_that_is_no_model_is_a_one_line_usage_error(kind, tmp_path, monke
     """`sat caption --model README.md photo.jpg` (a mistyped argument, a photo given as the
     model) exits 2 with one line saying what the file is, as a bad --model name does; the file
     is never unpickled."""
-    from showattendtell.cli import main
+    from showattendtell.cli.main import main
 
     def no_unpickling(*args, **kwargs):
         raise AssertionError("torch.load called on a --model file")
@@ -145,8 +145,8 @@ def test_a_file_that_is_no_model_is_a_one_line_usage_error(kind, tmp_path, monke
 def test_every_command_that_reads_a_model_refuses_one_that_is_not(
     tiny_model_file, synthetic_flickr, tmp_path, monkeypatch, capsys
 ):
-    from showattendtell import metrics
-    from showattendtell.cli import main
+    from showattendtell.cli.main import main
+    from showattendtell.evaluation import metrics
 
     monkeypatch.setattr(metrics, "require_java", lambda *args, **kwargs: None)
     text, _ = _not_a_model("text", tmp_path)
@@ -226,7 +226,7 @@ def test_bundled_files_are_float16_and_100_mb_together():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_weights_with_nan_or_inf_are_refused_at_load(bad, tiny_model_file, tmp_path, capsys):
-    from showattendtell.cli import main
+    from showattendtell.cli.main import main
 
     model, decoding, _ = read_model(tiny_model_file)
     with torch.no_grad():

@@ -5,7 +5,11 @@ import itertools
 import torch
 from helpers import make_batch, small_decoder
 
-from showattendtell.losses import caption_log_likelihood, hard_attention_loss, update_baseline
+from showattendtell.training.losses import (
+    caption_log_likelihood,
+    hard_attention_loss,
+    update_baseline,
+)
 
 
 def test_reinforce_gradient_is_unbiased():
@@ -79,10 +83,10 @@ def test_baseline_updates_as_specified():
 
 
 def test_lightning_module_moves_baseline_only_on_sampled_batches():
-    from showattendtell.decoder import DecoderConfig
-    from showattendtell.encoder import EncoderConfig
-    from showattendtell.lit_module import CaptionModule
-    from showattendtell.objectives import HardAttentionConfig, ObjectiveConfig
+    from showattendtell.network.decoder import DecoderConfig
+    from showattendtell.network.encoder import EncoderConfig
+    from showattendtell.training.lit_module import CaptionModule
+    from showattendtell.training.objectives import HardAttentionConfig, ObjectiveConfig
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(26)]]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
@@ -105,9 +109,9 @@ def test_lightning_module_moves_baseline_only_on_sampled_batches():
 
 def test_checkpoints_of_the_previous_layout_still_load():
     """Before objectives were objects the baseline was the LightningModule's own buffer."""
-    from showattendtell.decoder import DecoderConfig
-    from showattendtell.encoder import EncoderConfig
-    from showattendtell.lit_module import CaptionModule
+    from showattendtell.network.decoder import DecoderConfig
+    from showattendtell.network.encoder import EncoderConfig
+    from showattendtell.training.lit_module import CaptionModule
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", "a", "b"]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
@@ -124,7 +128,7 @@ def test_checkpoints_of_the_previous_layout_still_load():
 
 
 def test_leave_one_out_baseline_per_caption():
-    from showattendtell.losses import leave_one_out_mean
+    from showattendtell.training.losses import leave_one_out_mean
 
     v = torch.tensor([1.0, 2.0, 6.0, -3.0, -3.0, 0.0])  # two captions, 3 samples each
     torch.testing.assert_close(
@@ -158,10 +162,10 @@ def test_reinforce_with_the_mean_of_other_samples_is_unbiased():
 
 
 def test_location_samples_teach_each_caption_k_times_and_leave_b_alone():
-    from showattendtell.decoder import DecoderConfig
-    from showattendtell.encoder import EncoderConfig
-    from showattendtell.lit_module import CaptionModule, TrainingConfigError
-    from showattendtell.objectives import HardAttentionConfig, ObjectiveConfig
+    from showattendtell.network.decoder import DecoderConfig
+    from showattendtell.network.encoder import EncoderConfig
+    from showattendtell.training.lit_module import CaptionModule, TrainingConfigError
+    from showattendtell.training.objectives import HardAttentionConfig, ObjectiveConfig
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(26)]]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
@@ -196,7 +200,7 @@ def test_attention_entropy_penalty_counts_each_word_once_and_sharpens_the_attent
     training the soft-attention loss with the penalty sharpens the attention, without it not."""
     import math
 
-    from showattendtell.losses import attention_entropy_per_caption, soft_attention_loss
+    from showattendtell.training.losses import attention_entropy_per_caption, soft_attention_loss
 
     B, T, L = 2, 5, 9
     alphas = torch.full((B, T, L), 1.0 / L)
@@ -237,10 +241,10 @@ def test_attention_entropy_penalty_counts_each_word_once_and_sharpens_the_attent
 def test_attention_entropy_is_refused_for_hard_attention_reinforce():
     import pytest
 
-    from showattendtell.decoder import DecoderConfig
-    from showattendtell.encoder import EncoderConfig
-    from showattendtell.lit_module import CaptionModule, TrainingConfigError
-    from showattendtell.objectives import ObjectiveConfig as O
+    from showattendtell.network.decoder import DecoderConfig
+    from showattendtell.network.encoder import EncoderConfig
+    from showattendtell.training.lit_module import CaptionModule, TrainingConfigError
+    from showattendtell.training.objectives import ObjectiveConfig as O
 
     vocab = ["<pad>", "<start>", "<end>", "<unk>", "a", "b"]
     enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
@@ -259,11 +263,11 @@ def test_label_smoothing_is_the_smoothed_targets_cross_entropy_and_leaves_the_li
     nll and log-likelihood stay the plain model's (they score the model, not the target)."""
     import pytest
 
-    from showattendtell.decoder import DecoderConfig
-    from showattendtell.encoder import EncoderConfig
-    from showattendtell.lit_module import CaptionModule, TrainingConfigError
-    from showattendtell.losses import soft_attention_loss
-    from showattendtell.objectives import ObjectiveConfig as O
+    from showattendtell.network.decoder import DecoderConfig
+    from showattendtell.network.encoder import EncoderConfig
+    from showattendtell.training.lit_module import CaptionModule, TrainingConfigError
+    from showattendtell.training.losses import soft_attention_loss
+    from showattendtell.training.objectives import ObjectiveConfig as O
 
     a, caps, lengths = make_batch()
     out = small_decoder(seed=4)(a, caps, lengths, mode="expectation")

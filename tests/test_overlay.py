@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from showattendtell.inference import CaptionResult
-from showattendtell.overlay import (
+from showattendtell.captioning.captioner import CaptionResult
+from showattendtell.captioning.overlays import (
     caption_sheet,
     colour_bar,
     labelled_colour_bar,

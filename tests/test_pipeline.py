@@ -9,10 +9,11 @@ import pytest
 import torch
 from helpers.photos import write_photos
 
-from showattendtell import pipeline
-from showattendtell.images import batch_indices
-from showattendtell.inference import load_model
-from showattendtell.pipeline import caption_files, default_workers, encode_files, in_lanes
+from showattendtell.images import pipeline
+from showattendtell.captioning.captioner import load_model
+from showattendtell.captioning.pipeline import caption_files
+from showattendtell.images.batches import batch_indices
+from showattendtell.images.pipeline import default_workers, encode_files, in_lanes
 from showattendtell.progress import Progress
 
 
@@ -254,7 +255,7 @@ def test_lanes_get_balanced_batches_from_the_pipeline(tiny_model_file, tmp_path)
 def test_on_a_gpu_the_main_process_keeps_few_cpu_threads():
     """Spinning torch threads in the main process starved the decoding processes on a GPU
     machine: while a GPU captions, torch keeps GPU_HOST_THREADS; on a CPU, all of them."""
-    from showattendtell.pipeline import GPU_HOST_THREADS, host_threads
+    from showattendtell.images.pipeline import GPU_HOST_THREADS, host_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(GPU_HOST_THREADS + 2)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from showattendtell.cli import build_parser
+from showattendtell.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [
@@ -92,7 +92,7 @@ def test_every_documented_command_parses(doc, command, monkeypatch, tmp_path):
         (tmp_path / name).write_text(content)
     monkeypatch.chdir(tmp_path)
     if argv[0] in ("train", "features"):
-        from showattendtell.commands.train import build_cli
+        from showattendtell.cli.train import build_cli
 
         with pytest.raises(SystemExit) as e:  # --print_config parses, prints and exits
             build_cli([*argv[1:], "--print_config"])
@@ -145,7 +145,7 @@ def test_commands_that_read_a_model_take_the_documented_options(name):
 
 
 def test_every_decoding_option_is_documented():
-    from showattendtell.decoding import DecodingConfig
+    from showattendtell.search.decoding import DecodingConfig
 
     decoding = (ROOT / "docs/decoding.md").read_text()
     for field in DecodingConfig.__dataclass_fields__:
@@ -172,9 +172,9 @@ def test_the_layout_names_every_module():
 
 
 def test_the_validation_scores_named_are_the_ones_logged():
-    from showattendtell.metrics import VALIDATION_SCORES
+    from showattendtell.evaluation.metrics import VALIDATION_SCORES
 
-    source = (ROOT / "src/showattendtell/lit_module.py").read_text()
+    source = (ROOT / "src/showattendtell/training/lit_module.py").read_text()
     assert "for key, name in VALIDATION_SCORES.items():" in source  # each logged as val/KEY
     logged = set(VALIDATION_SCORES) | set(re.findall(r'"val/(\w+)"', source))
     for doc in [*DOCS, *sorted((ROOT / "configs").rglob("*.yaml"))]:

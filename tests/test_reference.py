@@ -5,8 +5,8 @@ import torch
 from helpers import make_batch, small_decoder
 from oracles.equations import reference_greedy, reference_soft_loss
 
-from showattendtell.decoding import greedy_decode
-from showattendtell.losses import soft_attention_loss
+from showattendtell.search.decoding import greedy_decode
+from showattendtell.training.losses import soft_attention_loss
 
 
 @pytest.mark.parametrize("fixed_shape", [False, True])

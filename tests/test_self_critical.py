@@ -6,15 +6,15 @@ from helpers import encode_captions
 from helpers.marks import needs_java
 from synthetic import make_dataset
 
-from showattendtell.decoder import DecoderConfig
-from showattendtell.decoding import END, PAD, START, UNK, sample_captions
-from showattendtell.encoder import EncoderConfig
-from showattendtell.lit_module import CaptionModule
-from showattendtell.losses import soft_attention_loss
-from showattendtell.metrics import CiderDReward, MeteorReward
+from showattendtell.evaluation.metrics import CiderDReward, MeteorReward
 from showattendtell.model import DecodingConfig
-from showattendtell.objectives import ObjectiveConfig
-from showattendtell.vocab import Vocabulary
+from showattendtell.network.decoder import DecoderConfig
+from showattendtell.network.encoder import EncoderConfig
+from showattendtell.network.vocab import Vocabulary
+from showattendtell.search.decoding import END, PAD, START, UNK, sample_captions
+from showattendtell.training.lit_module import CaptionModule
+from showattendtell.training.losses import soft_attention_loss
+from showattendtell.training.objectives import ObjectiveConfig
 
 REFS = [
     ["a dog runs on the grass", "a brown dog running", "the dog plays outside"],
@@ -132,8 +132,8 @@ def test_self_critical_log_prob_is_that_of_the_sampling_distribution(monkeypatch
     (the test decoder favours <unk>, so the full softmax would differ a lot)."""
     from helpers import feats, trained_like_decoder
 
-    from showattendtell.decoding import banned_tokens
-    from showattendtell.losses import self_critical_loss
+    from showattendtell.search.decoding import banned_tokens
+    from showattendtell.training.losses import self_critical_loss
 
     dec, a = trained_like_decoder(), feats(B=16)
     drawn = []

@@ -16,8 +16,8 @@ import pytest
 from helpers.photos import encode, photo
 from PIL import Image
 
-from showattendtell.decoding import MAX_BEAM_SIZE, MAX_CAPTION_LENGTH, DecodingError
-from showattendtell.images import ImageError, full_size
+from showattendtell.images.files import ImageError, full_size
+from showattendtell.search.decoding import MAX_BEAM_SIZE, MAX_CAPTION_LENGTH, DecodingError
 
 gr = pytest.importorskip("gradio")
 from helpers.service import (  # noqa: E402, F401 (fixtures)
@@ -144,7 +144,7 @@ def test_familiarity_and_its_warning_reach_the_api(
     indexed, _ = indexed_service.names
     d = api_caption(indexed_service, str(photo(0)), indexed)
     assert 0.0 <= d["familiarity"] <= 1.0
-    from showattendtell import familiarity
+    from showattendtell.search import familiarity
 
     monkeypatch.setattr(familiarity.Familiarity, "warning", lambda self, *a: familiarity.WARNING)
     d = api_caption(indexed_service, str(photo(0)), indexed)

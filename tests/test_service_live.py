@@ -134,6 +134,24 @@ def test_api_through_gradio_client(
     assert again["caption"] == d["caption"]
 
 
+@pytest.mark.slow
+def test_the_api_reads_no_file_it_did_not_receive(server: str, tmp_path: Path):
+    """A client that names a path on the server (an image dict without Gradio's upload marker)
+    gets one message, the same whether the path is a photo, a missing file, a folder or a way
+    out of Gradio's cache folder: nothing the app did not receive is read, decoded or probed."""
+    from gradio.utils import get_upload_folder
+    from gradio_client import Client, handle_file
+
+    client = Client(server, verbose=False)
+    outside = tmp_path / "outside.jpg"
+    Image.open(photo(0)).save(outside)
+    out_of_cache = f"{get_upload_folder()}/../../../../../../{outside}"
+    for path in (outside, tmp_path / "missing.jpg", tmp_path, "/etc/passwd", out_of_cache):
+        with pytest.raises(Exception, match="other files on the server are not read"):
+            client.predict({"path": str(path)}, api_name="/caption")
+    assert client.predict(handle_file(str(outside)), api_name="/caption")["caption"]  # uploaded
+
+
 TOAST_OBSERVER = """() => {
   window.__toasts = [];
   new MutationObserver(records => {

@@ -11,7 +11,7 @@ import re
 import pytest
 from PIL import Image
 
-from showattendtell.cli import build_parser
+from showattendtell.cli.main import build_parser
 
 pytest.importorskip("gradio")
 from helpers.service import ROOT  # noqa: E402

@@ -13,9 +13,9 @@ import sys
 import pytest
 from PIL import Image
 
-from showattendtell.catalog import BUNDLED_DIR, ModelNotFound
-from showattendtell.cli import build_parser, main
-from showattendtell.decoding import DECODING_OPTIONS
+from showattendtell.captioning.catalog import BUNDLED_DIR, ModelNotFound
+from showattendtell.cli.main import build_parser, main
+from showattendtell.search.decoding import DECODING_OPTIONS
 
 pytest.importorskip("gradio")
 from helpers.service import ROOT, tiny_expected_file  # noqa: E402, F401 (fixtures)
@@ -65,7 +65,7 @@ def test_decoding_flags_come_from_the_option_table():
 def test_a_new_option_in_the_table_reaches_the_cli(monkeypatch):
     from dataclasses import replace
 
-    from showattendtell.cli_common import add_decoding_args
+    from showattendtell.cli.common import add_decoding_args
 
     extra = replace(DECODING_OPTIONS["beam_size"], name="top_k", label="top k", help="k words")
     monkeypatch.setitem(DECODING_OPTIONS, "top_k", extra)  # the one table, wherever it is read

@@ -14,7 +14,7 @@ import pytest
 from helpers.photos import photo
 from PIL import Image
 
-from showattendtell.decoding import DECODING_OPTIONS, MAX_BEAM_SIZE, MAX_CAPTION_LENGTH
+from showattendtell.search.decoding import DECODING_OPTIONS, MAX_BEAM_SIZE, MAX_CAPTION_LENGTH
 
 gr = pytest.importorskip("gradio")
 from helpers.service import (  # noqa: E402, F401 (fixtures)
@@ -171,7 +171,7 @@ def test_familiarity_warning_is_shown(
     indexed_service: CaptionService,
     monkeypatch,
 ):
-    from showattendtell import familiarity
+    from showattendtell.search import familiarity
 
     monkeypatch.setattr(familiarity.Familiarity, "warning", lambda self, *a: familiarity.WARNING)
     indexed, _ = indexed_service.names

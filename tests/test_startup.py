@@ -14,9 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from showattendtell.consensus import ORDERS, ConsensusIndex, ngram_counts
-from showattendtell.encoder import EFFICIENTNETS, IMAGENET_MEAN, IMAGENET_STD, lite_stages
-from showattendtell.images import normalise, resize
+from showattendtell.images.files import normalise, resize
+from showattendtell.network.encoder import EFFICIENTNETS, IMAGENET_MEAN, IMAGENET_STD, lite_stages
+from showattendtell.search.consensus import ORDERS, ConsensusIndex, ngram_counts
 
 HEAVY = (
     "timm",
@@ -56,7 +56,7 @@ def test_captioning_a_photo_imports_none_of_the_heavy_packages(tmp_path):
     Image.fromarray(rng.integers(0, 256, (90, 120, 3), dtype=np.uint8)).save(photo)
     code = (
         "import contextlib, io\n"
-        "from showattendtell.cli import main\n"
+        "from showattendtell.cli.main import main\n"
         "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
         f"    assert main(['caption', {str(photo)!r}]) == 0\n"
         "assert '\"caption\"' in out.getvalue()\n"
@@ -82,7 +82,7 @@ def test_help_and_version_import_no_torch(argv):
     no torch (nor Lightning, numpy or Pillow): they print in a fraction of a second."""
     code = (
         "import contextlib, io\n"
-        "from showattendtell.cli import main\n"
+        "from showattendtell.cli.main import main\n"
         "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
         "    try:\n"
         f"        main({argv!r})\n"
@@ -95,8 +95,9 @@ def test_help_and_version_import_no_torch(argv):
 
 def test_the_decoding_flags_are_the_option_tables():
     """The torch-free table the CLI reads is the one decoding.py and DecodingConfig use."""
-    from showattendtell import decoding, settings
-    from showattendtell.cli import build_parser
+    from showattendtell.cli.main import build_parser
+    from showattendtell.search import decoding
+    from showattendtell.search import options as settings
 
     assert decoding.DECODING_OPTIONS is settings.DECODING_OPTIONS
     assert decoding.DecodingConfig is settings.DecodingConfig
@@ -230,7 +231,7 @@ def test_sat_caption_pauses_the_garbage_collector_only_while_it_starts(tmp_path)
     probe = (
         "import atexit, gc, sys\n"
         "from showattendtell import inference\n"
-        "from showattendtell.cli import main\n"
+        "from showattendtell.cli.main import main\n"
         "seen = []\n"
         "prepare = inference.Captioner.prepare\n"
         "def spy(self, **decoding):\n"
@@ -255,8 +256,8 @@ def test_sat_caption_pauses_the_garbage_collector_only_while_it_starts(tmp_path)
 def test_prepare_builds_the_calibration_and_the_consensus_tables(tmp_path):
     """Captioner.prepare builds what the first caption would (the tables in a thread, which
     the first reranking waits for); the captions are the same with and without it."""
-    from showattendtell import familiarity
-    from showattendtell.inference import load_model
+    from showattendtell.captioning.captioner import load_model
+    from showattendtell.search import familiarity
 
     photo = tmp_path / "photo.jpg"
     rng = np.random.default_rng(3)

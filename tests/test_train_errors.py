@@ -11,12 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from showattendtell.cli import main
-
 # imported here, not in a test: Lightning's loggers write to the stderr of the moment they are
 # imported, which inside a test is that test's capture, closed after it
-from showattendtell.commands import train as train_command
-from showattendtell.commands.train_checks import short_type_error
+from showattendtell.cli import train as train_command
+from showattendtell.cli.main import main
+from showattendtell.cli.train_checks import short_type_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -255,12 +254,12 @@ def test_export_checks_its_arguments_before_reading_the_checkpoint(
     options, said, synthetic_flickr, tmp_path, monkeypatch, capsys
 ):
     """A checkpoint may be gigabytes on a network disk: a mistyped option is said first."""
-    import showattendtell.lit_module
+    import showattendtell.training.lit_module
 
     def read(*args, **kwargs):
         raise AssertionError("the checkpoint was read")
 
-    monkeypatch.setattr(showattendtell.lit_module, "load_checkpoint", read)
+    monkeypatch.setattr(showattendtell.training.lit_module, "load_checkpoint", read)
     text = tmp_path / "notes.txt"
     text.write_text("not a model\n")
     ckpt, out = tmp_path / "last.ckpt", tmp_path / "out.safetensors"

@@ -1,6 +1,6 @@
 import pytest
 
-from showattendtell.vocab import SPECIALS, Vocabulary, tokenize
+from showattendtell.network.vocab import SPECIALS, Vocabulary, tokenize
 
 
 def test_tokenize_lowercases_and_strips_punctuation_like_coco():

@@ -13,13 +13,13 @@ import torch
 from synthetic import make_example
 from torch.nn.utils.rnn import pad_sequence
 
-from showattendtell.decoder import DecoderConfig
-from showattendtell.encoder import EncoderConfig
-from showattendtell.images import preprocess
-from showattendtell.losses import soft_attention_loss
+from showattendtell.images.files import preprocess
 from showattendtell.model import CaptionModel, DecodingConfig
 from showattendtell.model_file import save_model
-from showattendtell.vocab import Vocabulary
+from showattendtell.network.decoder import DecoderConfig
+from showattendtell.network.encoder import EncoderConfig
+from showattendtell.network.vocab import Vocabulary
+from showattendtell.training.losses import soft_attention_loss
 
 
 def train_tiny_model(

@@ -7,7 +7,7 @@ __all__ = ["CaptionResult", "Captioner", "caption_images", "load_model"]
 def __getattr__(name: str):
     # Imported lazily so that `sat --help` does not pay for importing torch.
     if name in __all__:
-        from showattendtell import inference
+        from showattendtell.captioning import captioner
 
-        return getattr(inference, name)
+        return getattr(captioner, name)
     raise AttributeError(name)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from showattendtell.decoder import Decoder, DecoderState, Step
 from showattendtell.errors import UsageError
 from showattendtell.model import CaptionModel
+from showattendtell.network.decoder import Decoder, DecoderState, Step
 
 
 class EnsembleError(UsageError, ValueError):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from showattendtell.consensus import ConsensusIndex
-from showattendtell.decoder import Decoder, DecoderConfig
-from showattendtell.decoding import DecodingConfig, DecodingError, Hypothesis, generate
-from showattendtell.encoder import Encoder, EncoderConfig
-from showattendtell.vocab import Vocabulary
+from showattendtell.network.decoder import Decoder, DecoderConfig
+from showattendtell.network.encoder import Encoder, EncoderConfig
+from showattendtell.network.vocab import Vocabulary
+from showattendtell.search.consensus import ConsensusIndex
+from showattendtell.search.decoding import DecodingConfig, DecodingError, Hypothesis, generate
 
 
 class CaptionModel(nn.Module):

@@ -17,13 +17,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from showattendtell.consensus import ConsensusIndex
-from showattendtell.decoder import DecoderConfig
-from showattendtell.decoding import DecodingConfig
-from showattendtell.encoder import EncoderConfig
 from showattendtell.errors import UsageError, UserError
 from showattendtell.model import CaptionModel
-from showattendtell.vocab import Vocabulary
+from showattendtell.network.decoder import DecoderConfig
+from showattendtell.network.encoder import EncoderConfig
+from showattendtell.network.vocab import Vocabulary
+from showattendtell.search.consensus import ConsensusIndex
+from showattendtell.search.decoding import DecodingConfig
 
 FORMAT = "showattendtell/caption-model"
 VERSION = "1"

@@ -8,8 +8,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from showattendtell.decoder import Decoder, DecoderConfig
-from showattendtell.decoding import END, UNK
+from showattendtell.network.decoder import Decoder, DecoderConfig
+from showattendtell.search.decoding import END, UNK
 
 
 def make_batch(B=4, T=7, L=9, D=12, V=30, seed=0):

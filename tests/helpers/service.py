@@ -68,10 +68,10 @@ def indexed_model(tiny_model_file: Path, folder: Path, photos: int = 24) -> Path
     results carry a familiarity."""
     from synthetic import make_example
 
-    from showattendtell.consensus import ConsensusIndex
-    from showattendtell.decoding import DecodingConfig
-    from showattendtell.images import preprocess
+    from showattendtell.images.files import preprocess
     from showattendtell.model_file import read_model, save_model
+    from showattendtell.search.consensus import ConsensusIndex
+    from showattendtell.search.decoding import DecodingConfig
 
     model, _, _ = read_model(tiny_model_file)
     rng = np.random.default_rng(1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from showattendtell.decoder import Decoder
+from showattendtell.network.decoder import Decoder
 
 
 def _weights(dec: Decoder):

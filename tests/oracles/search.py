@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from showattendtell.decoder import Decoder, DecoderState
-from showattendtell.decoding import END, START, Hypothesis, banned_tokens
+from showattendtell.network.decoder import Decoder, DecoderState
+from showattendtell.search.decoding import END, START, Hypothesis, banned_tokens
 
 
 def _block_repeats(logp: torch.Tensor, histories: list[list[int]], n: int) -> torch.Tensor:

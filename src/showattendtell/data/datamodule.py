@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, Dataset
 from showattendtell.data.datasets import CaptionedImage, Split, load_split
 from showattendtell.data.feature_cache import FeatureCache
 from showattendtell.data.person_masks import PersonMasks, read_person_masks
-from showattendtell.encoder import Encoder, EncoderConfig
-from showattendtell.images import load_image
-from showattendtell.vocab import Vocabulary
+from showattendtell.images.files import load_image
+from showattendtell.network.encoder import Encoder, EncoderConfig
+from showattendtell.network.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class CaptionPairs(Dataset):
 
 def _person_tokens(tokens: np.ndarray, starts: np.ndarray, vocab: Vocabulary) -> np.ndarray:
     """(tokens,) bool: the tokens that name a person, by attention correctness's word map."""
-    from showattendtell.attention_correctness import category_words
+    from showattendtell.evaluation.attention_correctness import category_words
 
     flags = np.zeros(len(tokens), dtype=bool)
     itos = vocab.itos

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ class Split:
 
 class DatasetError(UserError, ValueError):
     """The dataset folder is not laid out as expected; the message says what to do."""
+
+
+class SplitError(UsageError, ValueError):
+    """A split name the dataset in a folder does not have (a usage error: exit status 2)."""
 
 
 class MissingImagesError(DatasetError):
@@ -369,3 +373,44 @@ def load_split(dataset: str, root: str | Path, split: str) -> Split:
     if dataset == "coco":
         return load_coco(root, split)
     raise DatasetError(f"unknown dataset {dataset!r}; choose one of {DATASETS}")
+
+
+def check_split_name(option: str, dataset: str, root: str | Path, split: str) -> None:
+    """A split (``option``: --split, or `sat export`'s --consensus-split) that the dataset in
+    the folder ``root`` does not have is a usage error naming the splits there are, said before
+    anything is read (`sat export`: before the checkpoint)."""
+    root = Path(root)
+    names = split_names(dataset, root)
+    if root.is_dir() and split not in names:
+        raise SplitError(
+            f"{option} {split}: the splits of {_dataset_shown(dataset, root)} are "
+            f"{', '.join(names)}{_coco_hint(dataset, root, names)}"
+        )
+
+
+def split_names(dataset: str, root: Path) -> list[str]:
+    """The --split names load_split takes for ``dataset`` in ``root`` (aliases included)."""
+    if dataset == "flickr8k":
+        return list(FLICKR8K_SPLITS)
+    if dataset == "coco" and not _has_karpathy_coco(root):
+        return ["train", "val"]  # the official caption files
+    return list(KARPATHY_SPLITS)
+
+
+def _has_karpathy_coco(root: Path) -> bool:
+    """Where load_coco looks for Karpathy's dataset_coco.json."""
+    return any(
+        (root / f).is_file() for f in ("dataset_coco.json", "caption_datasets/dataset_coco.json")
+    )
+
+
+def _dataset_shown(dataset: str, root: Path) -> str:
+    if dataset == "coco":
+        return "the official COCO files" if not _has_karpathy_coco(root) else "dataset_coco.json"
+    return "Karpathy's split files" if dataset == "karpathy" else dataset
+
+
+def _coco_hint(dataset: str, root: Path, names: list[str]) -> str:
+    if dataset != "coco" or "test" in names:
+        return ""
+    return f" (test and restval need Karpathy's dataset_coco.json in {root})"

@@ -30,8 +30,8 @@ import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
-from showattendtell.caption_output import prepare_folder
 from showattendtell.errors import UsageError, UserError
+from showattendtell.outputs import prepare_folder
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from showattendtell.data.datasets import CaptionedImage
-from showattendtell.encoder import Encoder, EncoderConfig
 from showattendtell.errors import UserError
-from showattendtell.pipeline import encode_files
+from showattendtell.images.pipeline import encode_files
+from showattendtell.network.encoder import Encoder, EncoderConfig
 from showattendtell.progress import Progress
 
 log = logging.getLogger(__name__)

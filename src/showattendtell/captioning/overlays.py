@@ -1,0 +1,172 @@
+"""Attention overlays: where the model looked for each word, drawn on the image.
+
+Used by the web service (one panel per word) and by batch captioning (--overlays: one PNG per
+image with every word's panel under the caption).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw, ImageFont
+
+from showattendtell.captioning.captioner import CaptionResult
+
+CMAP = "jet"
+
+
+def label_font(size: int) -> ImageFont.ImageFont:
+    try:
+        return ImageFont.truetype("DejaVuSans.ttf", size)
+    except OSError:
+        return ImageFont.load_default(size)
+
+
+def upsample_attention(
+    grid: np.ndarray, width: int, height: int, vmax: float | None = None
+) -> np.ndarray:
+    """A (g, g) attention map -> a smooth (height, width) map in [0, 1] (bicubic): weight / vmax,
+    clipped; vmax None stretches the map to its own maximum."""
+    t = torch.as_tensor(np.asarray(grid), dtype=torch.float32)[None, None]
+    up = F.interpolate(t, size=(height, width), mode="bicubic", align_corners=False)[0, 0]
+    up = up.clamp_min(0)
+    top = up.max().clamp_min(1e-12) if vmax is None else torch.tensor(max(vmax, 1e-12))
+    return (up / top).clamp_max(1.0).numpy()
+
+
+def colorize(heat: np.ndarray) -> np.ndarray:
+    """[0, 1] map -> RGB uint8 with the colour scale of ``colour_bar``."""
+    import matplotlib
+
+    return (matplotlib.colormaps[CMAP](heat)[..., :3] * 255).astype(np.uint8)
+
+
+def overlay_attention(
+    image: Image.Image,
+    grid: np.ndarray,
+    location: tuple[int, int] | None = None,
+    opacity: float = 0.55,
+    vmax: float | None = None,
+) -> Image.Image:
+    """The image with one word's attention blended over it, colour 0..vmax (None: the map's
+    own maximum); a hard-attention location is framed."""
+    image = image.convert("RGB")
+    w, h = image.size
+    heat = upsample_attention(grid, w, h, vmax)
+    rgb = np.asarray(image, dtype=np.float32)
+    a = opacity * heat[..., None] ** 0.5  # stronger where attention is high
+    out = Image.fromarray((rgb * (1 - a) + colorize(heat).astype(np.float32) * a).astype(np.uint8))
+    if location is not None:
+        g = grid.shape[0]
+        r, c = location
+        box = (c * w / g, r * h / g, (c + 1) * w / g - 1, (r + 1) * h / g - 1)
+        ImageDraw.Draw(out).rectangle(box, outline=(255, 255, 255), width=max(2, w // 150))
+    return out
+
+
+def colour_bar(height: int, width: int = 14) -> Image.Image:
+    """The colour scale (high attention at the top)."""
+    ramp = np.linspace(1, 0, height)[:, None].repeat(width, 1)
+    return Image.fromarray(colorize(ramp))
+
+
+def weight_label(x: float) -> str:
+    """An attention weight as the colour bars label it (the web UI's form)."""
+    return f"{x:.3f}" if x >= 0.001 else f"{x:.1e}"
+
+
+LABELLED_BAR_WIDTH = 14 + 6 + 92  # the bar, a gap, its labels
+
+
+def labelled_colour_bar(height: int, vmax: float, cells: int) -> Image.Image:
+    """The colour scale with its numbers, as the web UI labels it: ``vmax`` at the top, 0 at
+    the bottom, and a tick at the uniform weight 1/cells (attention spread evenly over the
+    grid) when it lies within the scale: colour near that tick means no focus at all."""
+    bar_w, gap = 14, 6
+    out = Image.new("RGB", (LABELLED_BAR_WIDTH, height), "white")
+    out.paste(colour_bar(height, bar_w), (0, 0))
+    draw = ImageDraw.Draw(out)
+    font, black, x = label_font(12), (0, 0, 0), bar_w + gap
+    draw.text((x, 0), weight_label(vmax), fill=black, font=font)
+    draw.text((x, height - 14), "0", fill=black, font=font)
+    uniform = 1.0 / max(cells, 1)
+    if uniform <= vmax and height >= 60:
+        y = round((1 - uniform / vmax) * (height - 1))
+        draw.line([(0, y), (bar_w + 2, y)], fill=black, width=2)
+        ty = min(max(y - 7, 16), height - 30)  # clear of the top and bottom labels
+        draw.text((x, ty), f"uniform 1/{cells}", fill=black, font=font)
+    return out
+
+
+def panel_size(width: int, height: int, size: int) -> tuple[int, int]:
+    """A word panel's size: the photo with its longer side ``size``, but the shorter side never
+    under a third of it. A 20000x500 panorama gives 200x66 panels (squashed, as the model sees
+    every photo squashed to a square), not 200x5 strips in which nothing can be seen."""
+    scale = size / max(width, height, 1)
+    w, h = max(1, round(width * scale)), max(1, round(height * scale))
+    least = max(1, size // 3)
+    return max(w, least), max(h, least)
+
+
+def word_panels(
+    image: Image.Image, result: CaptionResult, size: int = 224, vmax: float | None = None
+) -> list[Image.Image]:
+    """One overlay per word, resized so that the longer side is ``size`` (``panel_size``;
+    vmax: see overlay_attention)."""
+    image = image.convert("RGB")
+    small = image.resize(panel_size(image.width, image.height, size), Image.Resampling.BICUBIC)
+    locs = result.locations or [None] * len(result.words)
+    return [
+        overlay_attention(small, grid, loc, vmax=vmax)
+        for grid, loc in zip(result.attention, locs, strict=True)
+    ]
+
+
+SHEET_SOURCE_SIZE = 5 * (200 + 8)  # the widest a caption sheet shows the photo (5 panels of
+# 200 px and their gaps): `sat caption --overlays` decodes photos no smaller than this
+
+
+def caption_sheet(
+    image: Image.Image, result: CaptionResult, panel: int = 200, columns: int = 5
+) -> Image.Image:
+    """The image and its caption on top, then a grid of word panels labelled with each word and
+    its largest weight. One colour scale for the whole caption (0 to the largest weight of any
+    word), labelled on the bar with that weight and the uniform level: a word whose attention
+    is spread evenly stays pale instead of being stretched to look as focused as any other."""
+    image = image.convert("RGB")
+    maxima = [float(np.max(a)) for a in result.attention]
+    vmax = max(maxima, default=1.0)
+    panels = word_panels(image, result, panel, vmax=vmax)
+    pw = max([p.width for p in panels], default=panel)
+    ph = max([p.height for p in panels], default=panel)
+    label_h, pad = 26, 8
+    cols = max(1, min(columns, len(panels)))
+    rows = (len(panels) + cols - 1) // cols
+    top_scale = min(1.0, (cols * (pw + pad)) / max(image.width, 1), 360 / max(image.height, 1))
+    top = image.resize(
+        (max(1, round(image.width * top_scale)), max(1, round(image.height * top_scale)))
+    )
+    width = max(cols * (pw + pad) + pad + LABELLED_BAR_WIDTH + pad, top.width + 2 * pad)
+    cap_h = 40
+    height = pad + top.height + cap_h + rows * (ph + label_h + pad) + pad
+    sheet = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    sheet.paste(top, (pad, pad))
+    draw.text(
+        (pad, pad + top.height + 8),
+        result.caption or "(empty caption)",
+        fill=(0, 0, 0),
+        font=label_font(20),
+    )
+    y0 = pad + top.height + cap_h
+    for i, (p, word) in enumerate(zip(panels, result.words, strict=True)):
+        r, c = divmod(i, cols)
+        x, y = pad + c * (pw + pad), y0 + r * (ph + label_h + pad)
+        draw.text((x, y), f"{word}  {weight_label(maxima[i])}", fill=(0, 0, 0), font=label_font(16))
+        sheet.paste(p, (x, y + label_h))
+    if panels:
+        cells = int(np.asarray(result.attention[0]).size)
+        bar = labelled_colour_bar(rows * (ph + label_h + pad) - pad, vmax, cells)
+        sheet.paste(bar, (width - LABELLED_BAR_WIDTH - pad, y0))
+    return sheet

@@ -1,0 +1,237 @@
+"""`sat export`: a training checkpoint -> a self-describing, pickle-free model file; or a model
+file -> the same weights with other stored decoding defaults (e.g. the bundled models'
+``--no-repeat-ngram 2``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from showattendtell.cli.common import add_decoding_args, decoding_overrides
+from showattendtell.data.datasets import DATASETS
+from showattendtell.errors import UsageError
+from showattendtell.outputs import OutputError, check_new_output
+
+DEFAULT_ALPHA = 0.5
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a training checkpoint as a model file")
+    p.add_argument(
+        "checkpoint",
+        help="Lightning .ckpt written by sat train; or a model file "
+        "(.safetensors or a `sat models` name) to store other "
+        "decoding defaults with its weights",
+    )
+    p.add_argument(
+        "output",
+        help="model file to write (.safetensors); an existing file is "
+        "replaced only with --overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing output file (e.g. re-export a run's model)",
+    )
+    p.add_argument("--half", action="store_true", help="store weights as float16")
+    p.add_argument(
+        "--interpolate",
+        metavar="MODEL",
+        default=None,
+        help="export alpha * checkpoint + (1 - alpha) * MODEL (WiSE-FT: a fine-tuned "
+        "checkpoint moved back toward the model file it started from)",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=None,
+        help=f"the checkpoint's weight with --interpolate, from 0 to 1 (default {DEFAULT_ALPHA})",
+    )
+    g = p.add_argument_group("consensus index (for --rerank consensus; consensus.py)")
+    g.add_argument(
+        "--consensus-root",
+        default=None,
+        metavar="DIR",
+        help="add an index of this dataset's photos and captions (the training "
+        "split: the photos whose captions the model learnt from)",
+    )
+    g.add_argument(
+        "--consensus-dataset",
+        default="flickr8k",
+        choices=DATASETS,
+        help="its format (default flickr8k)",
+    )
+    g.add_argument("--consensus-split", default="train", help="its split (default train)")
+    g.add_argument(
+        "--consensus-neighbours",
+        type=int,
+        default=None,
+        metavar="K",
+        help="training photos consulted for each photo (default 60)",
+    )
+    g.add_argument(
+        "--feature-cache",
+        default=None,
+        metavar="DIR",
+        help="read the photos' grids from this feature-cache folder (one that sat "
+        "train wrote under data.feature_cache for this model's encoder) instead "
+        "of encoding them again; checked against the model on a few photos",
+    )
+    add_decoding_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from showattendtell.model_file import ModelFileError, save_model
+    from showattendtell.search.decoding import DecodingConfig
+
+    # every argument that can be checked without reading the checkpoint (gigabytes, minutes
+    # on a network disk) is checked first
+    overrides = decoding_overrides(args)
+    output = _check_output(args)
+    _check_source(args.checkpoint)
+    interpolate, alpha = _check_interpolate(args)
+    _check_consensus(args)
+    if _is_model_file(args.checkpoint):  # its weights, its stored decoding with the overrides
+        from showattendtell.captioning.catalog import resolve_model
+        from showattendtell.model_file import read_model
+
+        model, stored, info = read_model(resolve_model(args.checkpoint))
+        decoding = stored.with_overrides(**overrides)
+        info = {**info, "re_exported_from": str(args.checkpoint)}
+    else:
+        from showattendtell.training.lit_module import load_checkpoint
+
+        decoding = DecodingConfig().with_overrides(**overrides)
+        module = load_checkpoint(args.checkpoint)
+        model = module.model
+        info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
+    if interpolate is not None:
+        from showattendtell.model_file import read_model
+
+        start, _, _ = read_model(interpolate)
+        try:
+            model.interpolate_(start, alpha)
+        except ValueError as e:
+            raise ModelFileError(
+                f"cannot interpolate {args.checkpoint} with {args.interpolate}: {e}"
+            ) from None
+        info.update(interpolated_with=str(args.interpolate), alpha=alpha)
+    if args.consensus_root:
+        from showattendtell.captioning.consensus_index import build_index
+
+        model.consensus = build_index(
+            model,
+            args.consensus_dataset,
+            args.consensus_root,
+            args.consensus_split,
+            args.feature_cache,
+            args.consensus_neighbours,
+        )
+        info.update(
+            consensus=f"{args.consensus_dataset} {args.consensus_split} "
+            f"({len(model.consensus.references)} photos)"
+        )
+    model.check_decoding(decoding)  # e.g. --rerank consensus without an index
+    try:
+        path = save_model(model, output, decoding, half=args.half, info=info)
+    except OSError as e:  # a disk that filled up while exporting: the old file is untouched
+        output.with_name(output.name + ".tmp").unlink(missing_ok=True)
+        raise OutputError(f"cannot write {output}: {e.strerror or e}") from None
+    print(f"wrote {path}")
+    return 0
+
+
+def _check_output(args: argparse.Namespace) -> Path:
+    """Before a checkpoint is read: the output can be written, and an existing file is
+    replaced only when asked (a model file may be the only copy of weeks of training)."""
+    output = Path(args.output)
+    check_new_output("output", output, args.overwrite)
+    return output
+
+
+def _check_source(source: str) -> None:
+    """A checkpoint or model file that is not there (a typo) is a usage error, said for this
+    command's argument rather than for `sat caption`'s --model."""
+    from showattendtell.captioning.catalog import named_models
+
+    if not Path(source).exists() and source not in named_models():
+        raise UsageError(
+            f"checkpoint: {source} not found: give a .ckpt file that sat train wrote (e.g. "
+            "runs/NAME/checkpoints/last.ckpt) or a model file (.safetensors, or a name "
+            "`sat models` lists)"
+        )
+
+
+def _check_interpolate(args: argparse.Namespace) -> tuple[Path | None, float]:
+    """(--interpolate's model file, --alpha), checked before the checkpoint is read: the file is
+    there and is a model file (its header is read, not its weights), and the weight is one that
+    ``CaptionModel.interpolate_`` takes. (None, ...): no --interpolate."""
+    if args.interpolate is None:
+        if args.alpha is not None:
+            raise UsageError(
+                f"--alpha {args.alpha:g} is the checkpoint's weight with --interpolate MODEL: "
+                "give that too, or leave --alpha out"
+            )
+        return None, DEFAULT_ALPHA
+    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
+    if not 0.0 <= alpha <= 1.0:
+        raise UsageError(
+            f"--alpha {alpha:g}: must be from 0 to 1 (the checkpoint's weight; "
+            "--interpolate's model gets 1 - alpha)"
+        )
+    from showattendtell.captioning.catalog import resolve_model
+    from showattendtell.model_file import describe_model
+
+    path = resolve_model(args.interpolate, "--interpolate")
+    describe_model(path)  # NotAModelFile: a photo, a text, a checkpoint, ...
+    return path, alpha
+
+
+def _check_consensus(args: argparse.Namespace) -> None:
+    """The consensus-index options, checked before the checkpoint is read: the dataset folder
+    and split (as `sat train` and `sat evaluate` check theirs), K, the feature-cache folder;
+    and the options that only --consensus-root uses are not given without it."""
+    if args.consensus_root is None:
+        for flag, value in (
+            ("--consensus-neighbours", args.consensus_neighbours),
+            ("--feature-cache", args.feature_cache),
+        ):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} is for the consensus index of --consensus-root DIR: give that "
+                    f"too, or leave {flag} out"
+                )
+        return
+    from showattendtell.cli.train_checks import check_dataset_root
+    from showattendtell.data.datasets import check_split_name
+
+    root, dataset = args.consensus_root, args.consensus_dataset
+    check_dataset_root("--consensus-root", root, dataset)
+    check_split_name("--consensus-split", dataset, root, args.consensus_split)
+    k = args.consensus_neighbours
+    if k is not None and k < 1:
+        raise UsageError(f"--consensus-neighbours {k}: must be 1 or more")
+    if args.feature_cache is not None:
+        _check_feature_cache(Path(args.feature_cache))
+
+
+def _check_feature_cache(folder: Path) -> None:
+    """--feature-cache names one encoder's cache (its meta.json), not the data.feature_cache
+    folder that holds one per encoder: the line names the caches found there."""
+    if (folder / "meta.json").is_file():
+        return
+    inside = sorted(p.parent.name for p in folder.glob("*/meta.json"))
+    hint = (
+        f"it holds the caches {', '.join(inside)}: give the one of this model's encoder"
+        if inside
+        else "give the cache folder of this model's encoder under the training run's "
+        "data.feature_cache"
+    )
+    raise UsageError(f"--feature-cache {folder}: no feature cache there (no meta.json); {hint}")
+
+
+def _is_model_file(source: str) -> bool:
+    from showattendtell.captioning.catalog import named_models
+
+    return source.endswith(".safetensors") or source in named_models()

@@ -1,0 +1,1 @@
+"""Scoring captions: the COCO caption metrics and attention correctness."""
