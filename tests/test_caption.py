@@ -20,7 +20,7 @@ from helpers.processes import start_sat
 from PIL import Image
 
 from showattendtell.captioning.records import scan_output
-from showattendtell.cli.caption import overlay_names
+from showattendtell.captioning.overlays import overlay_names
 from showattendtell.cli.main import main
 
 
@@ -533,7 +533,7 @@ def test_a_few_photos_are_captioned_on_the_cpu_of_a_gpu_machine(
     import torch
 
     from showattendtell.captioning.distributed import Processes
-    from showattendtell.cli import caption
+    from showattendtell.cli import caption_job as caption
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = argparse.Namespace(device=device, decode_on="cpu", precision="32")

@@ -6,12 +6,16 @@ image with every word's panel under the caption).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 
 from showattendtell.captioning.captioner import CaptionResult
+from showattendtell.captioning.pipeline import Record
+from showattendtell.images.files import open_image
 
 CMAP = "jet"
 
@@ -170,3 +174,44 @@ def caption_sheet(
         bar = labelled_colour_bar(rows * (ph + label_h + pad) - pad, vmax, cells)
         sheet.paste(bar, (width - LABELLED_BAR_WIDTH - pad, y0))
     return sheet
+
+
+def overlay_names(paths: list[str]) -> dict[str, str]:
+    """A flat PNG name for each input path, after the file: 'photos/a.jpg' -> 'a.jpg.png'.
+    Where two inputs share a file name, their folders are added until the names differ
+    ('2023/a.jpg' -> '2023__a.jpg.png', '2024/a.jpg' -> '2024__a.jpg.png'); compared without
+    case, for file systems that ignore it; names still alike get -2, -3. The same inputs give
+    the same names, so a resumed run writes the sheets the first one would have."""
+    parts = {}
+    for path in paths:
+        kept = [p for p in Path(path).parts if p not in ("/", ".", "..") and not p.endswith(":\\")]
+        parts[path] = kept or ["image"]
+    depth = dict.fromkeys(paths, 1)
+    while True:
+        names = {p: "__".join(parts[p][-depth[p] :]) for p in paths}
+        groups: dict[str, list[str]] = {}
+        for p, name in names.items():
+            groups.setdefault(name.lower(), []).append(p)
+        grew = False
+        for group in groups.values():
+            for p in group if len(group) > 1 else ():
+                if depth[p] < len(parts[p]):
+                    depth[p] += 1
+                    grew = True
+        if not grew:
+            break
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for p in paths:
+        name, k = names[p], 2
+        while name.lower() in used:
+            name, k = f"{names[p]}-{k}", k + 1
+        used.add(name.lower())
+        out[p] = name + ".png"
+    return out
+
+
+def write_overlay(path: Path, rec: Record) -> None:
+    assert rec.result is not None  # a 12-megapixel JPEG decodes at half size: 4x fewer pixels
+    photo = open_image(rec.path, min_size=SHEET_SOURCE_SIZE)
+    caption_sheet(photo, rec.result).save(path)
