@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,6 @@ SHARED = ROOT.parent / "shared"
 FLICKR8K = SHARED / "data" / "flickr8k"
 COCO_SUBSET = SHARED / "data" / "coco2017_val_subset"
 RESNET50_CAFFE = SHARED / "weights" / "resnet50-caffe-imagenet-fp16-ca826be8.pth"
-
-sys.path.insert(0, str(Path(__file__).parent))  # helpers.py, synthetic.py, tiny_model.py
 
 needs_flickr8k = pytest.mark.skipif(
     not (FLICKR8K / "Flickr8k.token.txt").is_file(),

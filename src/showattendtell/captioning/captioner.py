@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from showattendtell.captioning.catalog import resolve_models
+from showattendtell.ensemble import EnsembleModel
 from showattendtell.errors import UsageError
 from showattendtell.images.files import image_warning, open_image, preprocess
 from showattendtell.model import CaptionModel
@@ -284,8 +285,6 @@ def load_model(
     loaded = [read_model(p) for p in paths]
     model, decoding, _ = loaded[0]
     if len(paths) > 1:
-        from showattendtell.ensemble import EnsembleModel
-
         model = EnsembleModel([m for m, _, _ in loaded], [p.stem for p in paths])
     name = "+".join(p.stem for p in paths)
     return Captioner(model, decoding, device, name=name, precision=precision, files=paths)

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from showattendtell.data.datasets import CaptionedImage, Split, load_split
 from showattendtell.data.feature_cache import FeatureCache
 from showattendtell.data.person_masks import PersonMasks, read_person_masks
+from showattendtell.evaluation.attention_correctness import category_words
 from showattendtell.images.files import load_image
 from showattendtell.network.encoder import Encoder, EncoderConfig
 from showattendtell.network.vocab import Vocabulary
@@ -101,8 +102,6 @@ class CaptionPairs(Dataset):
 
 def _person_tokens(tokens: np.ndarray, starts: np.ndarray, vocab: Vocabulary) -> np.ndarray:
     """(tokens,) bool: the tokens that name a person, by attention correctness's word map."""
-    from showattendtell.evaluation.attention_correctness import category_words
-
     flags = np.zeros(len(tokens), dtype=bool)
     itos = vocab.itos
     for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):

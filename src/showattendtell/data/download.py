@@ -32,6 +32,7 @@ from pathlib import Path, PurePosixPath
 
 from showattendtell.errors import UsageError, UserError
 from showattendtell.outputs import prepare_folder
+from showattendtell.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -326,8 +327,6 @@ def _transfer(url: str, part: Path, a: Archive) -> None:
             mode, have = "wb", 0
         length = resp.headers.get("Content-Length")
         total = have + int(length) if length is not None else a.size
-        from showattendtell.progress import Progress
-
         try:
             with (
                 open(part, mode) as f,

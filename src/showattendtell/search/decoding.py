@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from showattendtell.kernels.graphed import GraphedFunction
 from showattendtell.network.decoder import Decoder
 from showattendtell.network.vocab import END, PAD, START, UNK
 
@@ -124,8 +125,6 @@ def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *option
 
     Where there is no CUDA graph to record (a CPU: the tests) the padded batch goes through
     ``fn`` itself: the same padding, the same results."""
-    from showattendtell.kernels.graphed import GraphedFunction
-
     B = annotations.size(0)
     padded = 1 << (B - 1).bit_length()
     graph = None

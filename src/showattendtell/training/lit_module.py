@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from showattendtell.evaluation.metrics import VALIDATION_SCORES, score_captions
 from showattendtell.kernels.graphed import GraphedObjective
 from showattendtell.model import CaptionModel
+from showattendtell.model_file import ModelFileError, read_model
 from showattendtell.network.decoder import DecoderConfig
 from showattendtell.network.encoder import EncoderConfig
 from showattendtell.network.vocab import PAD, Vocabulary
@@ -75,8 +76,6 @@ def read_checkpoint(path: str | Path, option: str = "checkpoint") -> dict:
     (``weights_only=True``); anything else is a one-line ModelFileError of our own."""
     import pickle
 
-    from showattendtell.model_file import ModelFileError
-
     path = Path(path)
     hint = "give a .ckpt file that sat train wrote (e.g. runs/NAME/checkpoints/last.ckpt)"
     if path.is_dir():
@@ -113,8 +112,6 @@ def init_weights(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The decoder's and the encoder's state dicts from a training checkpoint or a model file,
     checked to share ``vocab`` (word ids must mean the same words)."""
-    from showattendtell.model_file import ModelFileError, read_model
-
     if not Path(path).is_file():
         raise ModelFileError(
             f"init_from: {path} not found: train and export that model first, "
@@ -142,8 +139,6 @@ def init_weights(
 
 def load_checkpoint(path: str | Path) -> CaptionModule:
     """The CaptionModule of a training checkpoint (for `sat export`); ``epoch`` is set from it."""
-    from showattendtell.model_file import ModelFileError
-
     ckpt = read_checkpoint(path)
     try:
         module = CaptionModule(**migrate_hyperparameters(ckpt["hyper_parameters"]))
@@ -227,8 +222,6 @@ class CaptionModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         # after a resume, Lightning restores the checkpoint's weights over these anyway
         if stage == "fit" and self.hparams.get("init_from") and not self.trainer.ckpt_path:
-            from showattendtell.model_file import ModelFileError
-
             decoder, encoder = init_weights(self.hparams.init_from, self.model.vocab.itos)
             enc = self.model.encoder
             top = tuple(f"stages.{i}." for i in range(enc.frozen_stages, len(enc.stages)))

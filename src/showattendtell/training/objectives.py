@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from showattendtell.errors import UsageError
+from showattendtell.evaluation.metrics import CiderDReward, MeteorReward
 from showattendtell.model import CaptionModel
 from showattendtell.network.decoder import TeacherForcedOutput
 from showattendtell.network.vocab import tokenize
@@ -363,8 +364,6 @@ class SelfCritical(Objective):
 
     def set_references(self, captions: list[list[str]]) -> None:
         """The references of every training image, in the training split's order."""
-        from showattendtell.evaluation.metrics import CiderDReward, MeteorReward
-
         self.references = [[" ".join(tokenize(c)) for c in caps] for caps in captions]
         self.cider = CiderDReward(self.references)
         self.meteor = MeteorReward() if self.meteor_weight else None
