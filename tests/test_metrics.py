@@ -205,7 +205,7 @@ def test_the_meteor_scorer_closes_its_pipes_at_exit(tmp_path):
         "        self.meteor_p = subprocess.Popen(['cat'], stdin=pipe, stdout=pipe, stderr=pipe)\n"
         "        self.lock = threading.Lock()\n"
         "m.Meteor = Cat\n"
-        "from showattendtell import metrics\n"
+        "from showattendtell.evaluation import metrics\n"
         "metrics.meteor_scorer()\n"
     )
     proc = subprocess.run(

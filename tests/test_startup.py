@@ -230,7 +230,7 @@ def test_sat_caption_pauses_the_garbage_collector_only_while_it_starts(tmp_path)
     Image.fromarray(np.full((64, 64, 3), 128, np.uint8)).save(photo)
     probe = (
         "import atexit, gc, sys\n"
-        "from showattendtell import inference\n"
+        "from showattendtell.captioning import captioner as inference\n"
         "from showattendtell.cli.main import main\n"
         "seen = []\n"
         "prepare = inference.Captioner.prepare\n"
