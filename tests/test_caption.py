@@ -19,8 +19,8 @@ from helpers.photos import photos
 from helpers.processes import start_sat
 from PIL import Image
 
-from showattendtell.captioning.records import scan_output
 from showattendtell.captioning.overlays import overlay_names
+from showattendtell.captioning.records import scan_output
 from showattendtell.cli.main import main
 
 

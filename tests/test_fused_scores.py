@@ -214,7 +214,9 @@ def test_sat_triton_0_turns_the_kernels_off():
     import subprocess
     import sys
 
-    code = "from showattendtell.kernels import gpu_kernels; print(sorted(gpu_kernels.FUSED_DEVICES))"
+    code = (
+        "from showattendtell.kernels import gpu_kernels; print(sorted(gpu_kernels.FUSED_DEVICES))"
+    )
     for value, devices in (("0", "[]"), ("1", "['cuda']")):
         env = {**os.environ, "SAT_TRITON": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers.photos import write_photos
 
-from showattendtell.images import pipeline
 from showattendtell.captioning.captioner import load_model
 from showattendtell.captioning.pipeline import caption_files
+from showattendtell.images import pipeline
 from showattendtell.images.batches import batch_indices
 from showattendtell.images.pipeline import default_workers, encode_files, in_lanes
 from showattendtell.progress import Progress
