@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU the Triton kernels run in Triton's interpreter (tests/test_fused_scores.py). It
+# Without a GPU the Triton kernels run in Triton's interpreter
+# (tests/kernels/test_fused_scores.py). It
 # must be chosen before anything imports Triton (timm and Lightning do): a kernel defined after
 # a plain import cannot call its helper functions in the interpreter.
 if not torch.cuda.is_available():

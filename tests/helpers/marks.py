@@ -19,5 +19,5 @@ def _cuda() -> bool:
 
 needs_cuda = pytest.mark.skipif(
     not _cuda(),
-    reason="no CUDA GPU (the GPU checks run on a GPU machine: pytest tests/test_cuda.py)",
+    reason="no CUDA GPU (the GPU checks run on a GPU machine: pytest tests/kernels/test_cuda.py)",
 )

@@ -1,4 +1,5 @@
-"""What the web service's tests share (tests/test_service_*.py): odd and bad files, tiny models
+"""What the web service's tests share (tests/service/test_service_*.py): odd and bad files, tiny
+models
 served in-process and on a live port, a model with a consensus index. Their photos come from
 helpers.photos.
 """

@@ -191,7 +191,7 @@ def resize(img: Image.Image, input_size: int) -> torch.Tensor:
     """RGB image -> (3, S, S) uint8 tensor, resized with antialiasing (aspect not kept).
 
     torchvision's ``resize(pil_to_tensor(img), ..., antialias=True)`` written with torch alone,
-    the same values (tests/test_startup.py): importing torchvision takes a large part of
+    the same values (tests/cli/test_startup.py): importing torchvision takes a large part of
     `sat caption`'s start-up. Bilinear on uint8 runs natively where torch has a vectorised
     kernel (a channels-last view, as torchvision passes it), else in float32, rounded back.
     """

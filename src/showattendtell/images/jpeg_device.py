@@ -12,7 +12,7 @@ that fails on the GPU is decoded on the CPU as any other file, so one bad file c
 for the others. The photo comes out as ``open_image`` makes it: upright (EXIF orientation),
 RGB, then resized as ``images.resize`` does (bilinear, antialiased, rounded to uint8); the GPU
 decodes the full image where the CPU path may use libjpeg's reduced-size decoding, so pixels can
-differ by a few levels (the captions almost never: tests/test_jpeg_device.py).
+differ by a few levels (the captions almost never: tests/images/test_jpeg_device.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def load_jpeg(path: str, input_size: int, index: int = 0) -> LoadedImage:
 
     Why: decoding sets `sat caption`'s rate on a GPU machine, and torchvision's decoder
     (libjpeg-turbo, as PIL's) gives the same pixels in less time: decoded and resized, a 640x426
-    COCO photo takes 2.6 ms against 3.2 ms on one core here (tests/test_jpeg_device.py checks
+    COCO photo takes 2.6 ms against 3.2 ms on one core here (tests/images/test_jpeg_device.py checks
     the pixels). Larger JPEGs stay with PIL, which decodes them at a reduced size
     (``open_image``'s ``draft``). The main process never comes here: importing torchvision
     would lengthen the start-up.

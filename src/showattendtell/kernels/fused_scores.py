@@ -14,7 +14,7 @@ too, but not gather the words' gradients, and it compiles for minutes.
 
 Used where gpu_kernels.applies (CUDA devices where Triton runs); a CPU takes
 piecewise_scores.py, and torch.compile the plain expression. The kernels are checked against
-autograd on a CPU by Triton's interpreter (tests/test_fused_scores.py), and so on a GPU.
+autograd on a CPU by Triton's interpreter (tests/kernels/test_fused_scores.py), and so on a GPU.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 Why not autograd: autograd's backward pass of these lines keeps every product's two gradients
 apart and joins the gates' gradients with two concatenations. Here each gate's gradient is
 written into its place in one (B, 4H) tensor: 16 operations a word forward and backward where
-autograd takes 19 (counted as tests/test_decoder.py counts a word's). On a GPU each is a kernel
+autograd takes 19 (counted as tests/network/test_decoder.py counts a word's). On a GPU each is a
+kernel
 launch per word, what a training step of small tensors waits on; on a CPU the two are as fast.
 (``torch._thnn_fused_lstm_cell`` would be one kernel each way, but it runs on CUDA only and
 takes the gates in another order, i f g o.) On a GPU where Triton runs (gpu_kernels.py) the

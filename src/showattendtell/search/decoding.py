@@ -106,7 +106,7 @@ def _strategy(strategy: str, device: torch.device) -> str | None:
     fixed loop recorded once per batch size as a CUDA graph and replayed (``_graphed``): on a
     GPU the host launching the loop's few hundred small kernels one by one takes longer than the
     GPU running them. "auto": graph on a GPU, shrink on a CPU. All give the same hypotheses
-    (tests/test_decoding.py)."""
+    (tests/search/test_decoding.py)."""
     if strategy not in SEARCH_STRATEGIES:
         raise ValueError(
             f"search strategy must be one of {', '.join(SEARCH_STRATEGIES)}, not {strategy!r}"

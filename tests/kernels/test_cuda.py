@@ -1,4 +1,5 @@
-"""Checks that need a CUDA GPU, run there with `pytest tests/test_cuda.py` (they skip on a CPU):
+"""Checks that need a CUDA GPU, run there with `pytest tests/kernels/test_cuda.py` (they skip on a
+CPU):
 the CUDA-graph search and training step give what the ungraphed code gives, and they are
 really recorded where they run, beside the DataLoader's threads, in `sat caption` and
 `sat train`; captions and familiarity on the GPU are the CPU's."""
@@ -16,7 +17,7 @@ from conftest import write_flickr8k_folder
 from helpers.marks import needs_cuda
 
 pytestmark = needs_cuda
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "service" / "examples").glob("*.jpg"))
 
 

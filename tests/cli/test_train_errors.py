@@ -17,7 +17,7 @@ from showattendtell.cli import train as train_command
 from showattendtell.cli.main import main
 from showattendtell.cli.train_checks import short_type_error
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny(data_root: Path, run_dir: Path, *extra: str) -> list[str]:

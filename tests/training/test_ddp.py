@@ -26,7 +26,7 @@ from helpers.processes import free_port
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_TRAIN, N_DEV, BATCH = 24, 7, 8
 PAIRS = 5 * N_TRAIN  # five captions an image: one training example each
 STEPS_1 = math.ceil(PAIRS / BATCH)  # optimizer steps an epoch, 1 process: 15

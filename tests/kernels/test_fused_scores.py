@@ -2,7 +2,8 @@
 (fused_scores.py) and the LSTM cell (lstm_cell.py), against autograd.
 
 Without a GPU the kernels run in Triton's interpreter, on CPU tensors: the same kernels, the
-same indexing and masks, executed with NumPy. tests/test_cuda.py runs them compiled on a GPU.
+same indexing and masks, executed with NumPy. tests/kernels/test_cuda.py runs them compiled on a
+GPU.
 """
 
 import warnings

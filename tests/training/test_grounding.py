@@ -39,7 +39,7 @@ from showattendtell.training.objectives import (
     grounding_loss,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- the file ------------------------------------------------------------------------------------

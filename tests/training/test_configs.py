@@ -14,7 +14,7 @@ from showattendtell.cli.main import main
 from showattendtell.cli.train import build_cli
 from showattendtell.training.config_files import BASE_KEY, config_chain, expand_bases
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 # the bundled models' three stages, each config's run folder and the model file it starts from
 BUNDLED_STAGES = {

@@ -1,5 +1,6 @@
 """What CUDA graphs need of the training step and the search, checked on a CPU: fixed shapes
-(padded captions give the same losses: tests/test_decoder.py), no host synchronisation in the
+(padded captions give the same losses: tests/network/test_decoder.py), no host synchronisation in
+the
 forward pass and the losses, and the wrappers' plumbing (on a CPU nothing can be recorded: the
 objective or the search runs itself, with the same results)."""
 

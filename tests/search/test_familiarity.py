@@ -251,7 +251,7 @@ def _study():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "familiarity_study.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "familiarity_study.py"
     spec = importlib.util.spec_from_file_location("familiarity_study", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -298,7 +298,7 @@ def test_the_study_runs_end_to_end_and_reuses_its_cache(
         )
         == 0
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     argv = [
         "scripts/familiarity_study.py",
         "--model",

@@ -14,7 +14,7 @@ from helpers.processes import start_sat
 
 from showattendtell.cli.main import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_train(data_root, *extra: str, cache: bool = True) -> list[str]:

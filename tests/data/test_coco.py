@@ -16,7 +16,7 @@ from conftest import SHARED
 from showattendtell.cli.main import main
 from showattendtell.evaluation import metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN_MINI = SHARED / "data" / "coco2017_train_mini"  # 80 train2017 photos and their captions
 VAL_SUBSET = SHARED / "data" / "coco2017_val_subset"  # 40 val2017 photos, the full val captions
 KEYS = ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"]

@@ -18,7 +18,7 @@ from showattendtell.images.batches import load_batches
 from showattendtell.images.files import LoadedImage, load_image
 from showattendtell.images.jpeg_device import decode_jpegs, read_jpeg, upright
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "service" / "examples").glob("*.jpg"))
 CPU = torch.device("cpu")
 
