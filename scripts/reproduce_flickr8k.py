@@ -29,7 +29,7 @@ from showattendtell.cli.train_checks import resumable_checkpoint
 # of the stage before it (model.init_from). The fine-tuning stages are exported as WiSE-FT
 # interpolations with the model they started from (`sat export --interpolate`; the model card
 # gives the measured alphas). Every export stores beam 3 as the default decoding unless its
-# options say otherwise (the last --beam-size wins); the hard model captions from its own single
+# options name another --beam-size; the hard model captions from its own single
 # most likely location per word (`--hard-mode argmax`) and is scored that way and with the
 # expected context (see inference_modes). The bundled models also carry a consensus index of
 # the training split (`--consensus-root`, "{root}" is this script's --root) and decode at beam 5
@@ -123,8 +123,7 @@ def train_and_export(
         str(model),
         "--overwrite",
         "--half",
-        "--beam-size",
-        "3",
+        *([] if "--beam-size" in export else ["--beam-size", "3"]),
         *(a.replace("{root}", root) for a in export),
     )
     return model

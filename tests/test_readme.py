@@ -46,13 +46,32 @@ def shell_lines(text: str) -> list[str]:
     return lines
 
 
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+CONFIG_KEY = re.compile(r"(?<![\w/.])(?:--)?((?:model|data|trainer|run)(?:\.\w+)+)")
+
+
+def comments(path: Path) -> str:
+    """The comment lines of a YAML config, without their '#'."""
+    return "\n".join(
+        line.lstrip()[1:] for line in path.read_text().splitlines() if line.lstrip().startswith("#")
+    )
+
+
 def sat_commands() -> list[tuple[str, str]]:
-    return [
+    """The sat commands of the documents' shell blocks and of the configs' comments."""
+    documented = [
         (doc.relative_to(ROOT).as_posix(), line)
         for doc in DOCS
         for line in shell_lines(doc.read_text())
         if line.startswith("sat ")
     ]
+    in_configs = [
+        (path.relative_to(ROOT).as_posix(), " ".join(line.split()))
+        for path in CONFIGS
+        for line in comments(path).replace("\\\n", " ").splitlines()
+        if line.strip().startswith("sat ")
+    ]
+    return documented + in_configs
 
 
 def named_yaml_files() -> dict[str, str]:
@@ -99,6 +118,27 @@ def test_every_documented_command_parses(doc, command, monkeypatch, tmp_path):
         assert e.value.code in (0, None), (doc, command)
         return
     build_parser().parse_args(argv)  # a bad option would exit 2 here
+
+
+def test_the_settings_the_configs_comments_name_exist(capsys):
+    """A config's comment that names a setting (`--model.objective.doubly_stochastic 0`,
+    `model.objective.grounding`) names one `sat train` takes: a renamed key is found here."""
+    import yaml
+
+    from showattendtell.cli.train import build_cli
+
+    named = {key for path in CONFIGS for key in CONFIG_KEY.findall(comments(path))}
+    assert named, "no settings named in the configs' comments: has the pattern changed?"
+    with pytest.raises(SystemExit):
+        build_cli(
+            ["--config", str(ROOT / "configs" / "flickr8k_lite2_soft.yaml"), "--print_config"]
+        )
+    config = yaml.safe_load(capsys.readouterr().out)
+    for key in sorted(named):
+        node = config
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"{key}: not a setting of sat train"
+            node = node[part]
 
 
 def test_the_scripts_the_documents_run_exist():
@@ -150,6 +190,33 @@ def test_every_decoding_option_is_documented():
     decoding = (ROOT / "docs/decoding.md").read_text()
     for field in DecodingConfig.__dataclass_fields__:
         assert f"--{field.replace('_', '-')}" in decoding and f"`{field}`" in decoding, field
+
+
+def test_the_readme_lists_the_decoding_flags_of_the_option_table():
+    """The README's list of decoding flags is the table's, in its order (kept by hand, so
+    tested: a new option must be named there)."""
+    from showattendtell.search.options import DECODING_OPTIONS
+
+    listed = re.search(r"the decoding options \(([^)]*)\)", README, re.S)
+    assert listed, "README: the sentence naming the decoding options has moved"
+    flags = re.findall(r"`(--[\w-]+)`", listed.group(1))
+    assert flags == [opt.flag for opt in DECODING_OPTIONS.values()]
+
+
+def test_the_service_docs_list_the_api_inputs_in_the_tables_order():
+    """docs/service.md names the /caption API's options, and the inputs of a plain HTTP call in
+    the order the app takes them: the image, the model, then the option table's order."""
+    from showattendtell.search.options import DECODING_OPTIONS
+
+    service = " ".join((ROOT / "docs" / "service.md").read_text().split())
+    options = re.search(r"The options are (.*?); one left out", service)
+    assert options, "docs/service.md: the sentence naming the API's options has moved"
+    assert re.findall(r"`(\w+)`", options.group(1)) == ["model", *DECODING_OPTIONS]
+    order = re.search(
+        r"inputs in this order, `null` for a default: the image \(.*?\), (.*?)\.", service
+    )
+    assert order, "docs/service.md: the plain HTTP call's input order has moved"
+    assert re.findall(r"`(\w+)`", order.group(1)) == ["model", *DECODING_OPTIONS]
 
 
 def test_export_stores_the_decoding_options():

@@ -1,5 +1,7 @@
 """scripts/reproduce_flickr8k.py: its stages chain the configs the way the model card says."""
 
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +9,32 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def dry_run() -> list[list[str]]:
+    """The sat commands the script runs (--dry-run), without its --overwrite (reruns)."""
+    done = subprocess.run(
+        [sys.executable, "scripts/reproduce_flickr8k.py", "--dry-run", "--root", "data/flickr8k"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return [
+        [w for w in shlex.split(line[2:]) if w != "--overwrite"]
+        for line in done.stderr.splitlines()
+        if line.startswith("+ sat")
+    ]
+
+
+def test_the_documented_recipe_is_what_the_script_runs():
+    """The bundled models' recipe is written once, in docs/training.md, and it is the script's."""
+    doc = (ROOT / "docs" / "training.md").read_text()
+    block = re.search(r"## The bundled models' recipe\n\n```bash\n(.*?)```", doc, re.S)
+    assert block, "docs/training.md: the recipe's section has moved"
+    documented = [shlex.split(line) for line in block.group(1).replace("\\\n", " ").splitlines()]
+    assert documented == dry_run()
 
 
 def test_each_stage_starts_from_the_model_the_stage_before_exported():

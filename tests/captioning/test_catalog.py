@@ -10,6 +10,7 @@ from helpers.photos import write_photos
 from showattendtell.captioning.captioner import load_model
 from showattendtell.captioning.catalog import ModelNotFound, bundled_models, resolve_model
 from showattendtell.cli.main import main
+from showattendtell.search.options import DECODING_OPTIONS
 
 
 def test_bundled_models_are_named_by_their_stem():
@@ -69,11 +70,15 @@ def test_sat_models_lists_bundled_and_env_models(tiny_hard_model_file, monkeypat
         "260 px",
         "9x9x1280",
         "words",
-        "beam 5",
-        "hard mode argmax",
-        "consensus reranking; consensus index of 6000 photos",
+        "beam size 5",
+        "hard-attention mode argmax",
+        "reranking consensus; consensus index of 6000 photos",
     ):
         assert expected in out, expected
+    soft, hard = (line for line in out.splitlines() if line.startswith("flickr8k_lite2"))
+    for opt in DECODING_OPTIONS.values():  # every option of the table, by its label
+        assert opt.label in hard, opt.label
+    assert "hard-attention mode" not in soft  # a soft model does not use it
     monkeypatch.setenv("SAT_MODEL", str(tiny_hard_model_file))
     assert main(["models", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -7,6 +7,7 @@ import json
 import sys
 
 from showattendtell.captioning.catalog import ModelNotFound, default_model_path, named_models
+from showattendtell.search.options import DECODING_OPTIONS
 
 
 def add_parser(sub) -> None:
@@ -52,18 +53,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     table = [("name", "attention", "encoder", "grid", "vocabulary", "stored decoding", "path")]
     for d in rows:
-        dec = d["decoding"]
-        decoding = (
-            f"beam {dec['beam_size']}, max {dec['max_length']} words"
-            + (f", hard mode {dec['hard_mode']}" if d["attention"] == "hard" else "")
-            + (f", length penalty {dec['length_penalty']:g}" if dec["length_penalty"] else "")
-            + (f", no repeated {dec['no_repeat_ngram']}-grams" if dec["no_repeat_ngram"] else "")
-            + (f", {dec['rerank']} reranking" if dec["rerank"] != "none" else "")
-            + (
-                f"; consensus index of {d['consensus_photos']} photos"
-                if d["consensus_photos"]
-                else ""
-            )
+        decoding = stored_decoding(d) + (
+            f"; consensus index of {d['consensus_photos']} photos" if d["consensus_photos"] else ""
         )
         g = d["grid"]
         table.append(
@@ -81,3 +72,19 @@ def run(args: argparse.Namespace) -> int:
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
     return 0
+
+
+def stored_decoding(described: dict) -> str:
+    """A model's stored decoding, every option of the table by its label, in the table's order
+    (so a new option shows here without a line of its own); an option the model does not use is
+    left out (the hard-attention mode of a soft model, reranking without a consensus index)."""
+    uses = {"": True, "hard": described["attention"] == "hard"}
+    uses["consensus"] = bool(described["consensus_photos"])
+    stored = described["decoding"]
+    return ", ".join(
+        f"{opt.label} {stored[name]:g}"
+        if isinstance(stored[name], float)
+        else f"{opt.label} {stored[name]}"
+        for name, opt in DECODING_OPTIONS.items()
+        if name in stored and uses.get(opt.needs, True)
+    )
