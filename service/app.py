@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from . import drawing, events, options
+from .blocks import EXCEPTION_HANDLERS, ServiceBlocks, local_file_example
 from .cache import CacheBound
 from .captioning import api_caption
+from .guard import Guard, GuardMiddleware
 from .uploads import MAX_EXAMPLES
 from .worker import CaptionService
 
@@ -62,7 +65,9 @@ API_DESCRIPTION = (
     "(ranked_by), each word's attention grid (and hard-attention locations), the "
     "decoding settings that apply to the model and a warning for a caption likely "
     "wrong (an unfamiliar photo, an unsure caption) or a degenerate photo. Options "
-    "left out (None) are the model's defaults; a value out of range is an error."
+    "left out (None) are the model's defaults; a value out of range is an error. The "
+    "image is a file on the client's machine (gradio_client: handle_file('photo.jpg')) "
+    "or inline as a data: URL; the server fetches no other URL."
 )
 
 DEFAULT_SESSION_MINUTES = 60.0  # a browser session's captioned photo is kept this long
@@ -101,6 +106,7 @@ def input_column(service: CaptionService, examples: Sequence[Path]) -> dict[str,
         height=360,
         elem_id="input-image",
     )
+    local_file_example(image)
     model = gr.Dropdown(
         [model_choice(n) for n in names],
         value=names[0],
@@ -304,7 +310,7 @@ def build_app(
     session_ttl_s: float | None = DEFAULT_SESSION_MINUTES * 60,
 ) -> gr.Blocks:
     """The UI (upload -> caption, word overlays, beams) and the /caption API endpoint."""
-    with gr.Blocks(title="Show, Attend and Tell") as app:
+    with ServiceBlocks(title="Show, Attend and Tell") as app:
         page = layout(service, examples, session_ttl_s)
         wire_ui(service, page, concurrency)
         wire_api(service, page.image, concurrency)
@@ -324,12 +330,17 @@ def launch(
     cache: CacheBound | None = None,
     session_minutes: float | None = None,
     max_sessions: int = 1000,
+    guard: Guard | None = None,
+    quiet: bool | None = None,
 ) -> gr.Blocks:
-    """Build and start the app; ``block=False`` returns once it serves (tests, benchmarks).
+    """Build and start the app; ``block=False`` returns once it serves (tests, benchmarks,
+    `sat serve`, which stops it itself); ``quiet``: no address printed (default: not block).
     ``auth``: (user, password) pairs; the page and the API then need a login. ``cache``: the
     bound on Gradio's cache folder (None: unbounded). ``session_minutes``: how long a browser
     session's captioned photo is kept (None: the default hour); ``max_sessions``: sessions
-    remembered at most (the oldest are forgotten first; every API client is one).
+    remembered at most (the oldest are forgotten first; every API client is one). ``guard``:
+    the state of the middleware in front of the app (login on every route, failed-login
+    throttle, full disk, draining on stop); `sat serve` keeps it to stop gracefully.
 
     Gradio copies the example photos into its cache when the app is built; requests can only
     name files in its upload folder or cache, so no other file on the machine is served or read.
@@ -340,6 +351,9 @@ def launch(
     app.queue(max_size=queue_size)
     service.cache = cache or CacheBound(None)
     service.cache.start(app)
+    guard = guard or Guard()
+    guard.login_required = bool(auth)
+    guard.blocks = app
     app.launch(
         server_name=host,
         server_port=port,
@@ -349,7 +363,11 @@ def launch(
         footer_links=["api"],
         auth=list(auth) if auth else None,
         prevent_thread_lock=not block,
-        quiet=not block,
+        quiet=not block if quiet is None else quiet,
         state_session_capacity=max_sessions,
+        app_kwargs={
+            "middleware": [Middleware(GuardMiddleware, guard=guard)],
+            "exception_handlers": EXCEPTION_HANDLERS,
+        },
     )
     return app

@@ -7,6 +7,11 @@ every few seconds: files older than ``max_age_s`` go, then the oldest until the 
 ``max_bytes``. It never removes the example photos, a file a request is captioning right now, or
 a file younger than ``grace_s`` (an upload whose request may still be waiting in the queue).
 A photo removed from the cache is uploaded again by the page or client that needs it.
+
+Given the ``folder`` the service has to itself (`sat serve` gives it one), the bound also covers
+the files in it that this app did not record: uploads and images of earlier runs, and what an
+upload cut short by a full disk left behind. They go first once too old or over the bound,
+oldest first, as this run's own do.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import threading
 import time
 from collections import Counter, deque
@@ -46,8 +52,10 @@ class CacheBound:
         max_age_s: float | None = None,
         grace_s: float = 30.0,
         interval_s: float = 2.0,
+        folder: str | os.PathLike | None = None,
     ):
         self.max_bytes, self.max_age_s = max_bytes, max_age_s
+        self.folder = None if folder is None else os.path.realpath(folder)
         self.grace_s, self.interval_s = grace_s, interval_s
         self.blocks: Any = None
         self._in_use: Counter[str] = Counter()
@@ -126,6 +134,8 @@ class CacheBound:
                     kept[str(f)] = st.st_size
                 else:
                     entries[str(f)] = (st.st_ctime, st.st_size, [(files, f)])
+        for f, st in self.unrecorded(set(entries) | set(kept) | keep):
+            entries[f] = (st.st_ctime, st.st_size, [])
         ordered = sorted(entries.items(), key=lambda e: e[1][0])  # oldest first
         kept_files, kept_bytes = len(kept), sum(kept.values())
         total = kept_bytes + sum(size for _, size, _ in entries.values())
@@ -150,6 +160,25 @@ class CacheBound:
                     usage.removed + 1,
                 )
         return usage
+
+    def unrecorded(self, known: set[str]) -> Iterator[tuple[str, os.stat_result]]:
+        """The files in ``folder`` (none without one) that are not in ``known``: left by
+        earlier runs, or by uploads cut short. Only regular files this user owns."""
+        if self.folder is None:
+            return
+        uid = os.getuid() if hasattr(os, "getuid") else None
+        known = {os.path.realpath(k) for k in known}  # Gradio's paths may go through a link
+        for root, _, names in os.walk(self.folder):
+            for name in names:
+                f = os.path.join(root, name)
+                if f in known:
+                    continue
+                try:
+                    st = os.lstat(f)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and (uid is None or st.st_uid == uid):
+                    yield f, st
 
 
 def remove(path: str | Path) -> bool:

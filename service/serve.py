@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import argparse
 import errno
+import getpass
 import logging
 import os
+import signal
 import socket
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from showattendtell.cli.common import (
     add_decoding_args,
@@ -21,6 +29,9 @@ from showattendtell.errors import UsageError, UserError
 from .auth import AUTH_ENV, exposure_warning, read_auth
 
 log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 30.0  # on SIGTERM or Ctrl-C, how long the requests in flight may take
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class ServeError(UsageError):
@@ -181,6 +192,60 @@ def check_options(args: argparse.Namespace) -> None:
         )
 
 
+def cache_folder() -> Path:
+    """The folder of uploads and result images: $GRADIO_TEMP_DIR, else one of this user's own
+    in the temporary folder (not Gradio's shared <tmp>/gradio), so that the cache bound may
+    remove what earlier runs left there without touching any other app's files."""
+    if os.environ.get("GRADIO_TEMP_DIR"):
+        return Path(os.environ["GRADIO_TEMP_DIR"])
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container)
+        user = str(os.getuid())
+    return Path(tempfile.gettempdir()) / f"showattendtell-serve-{user}"
+
+
+@contextmanager
+def stop_requested() -> Iterator[threading.Event]:
+    """An event set by the first SIGTERM or Ctrl-C; the signals' handlers are the previous ones
+    again once it is set (a second one stops at once) and when the block ends."""
+    stop = threading.Event()
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    for sig in STOP_SIGNALS:
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def serve_until_stopped(app: Any, guard: Any, stop: threading.Event, grace_s: float) -> None:
+    """Serve until ``stop`` is set (or the server ends), then refuse new requests, answer
+    those in flight (at most ``grace_s`` seconds) and close the server."""
+    while not stop.wait(0.5) and app.is_running:
+        pass
+    waiting = guard.in_flight()
+    log.info(
+        "stopping: finishing %d request(s) in flight (at most %.0f s); new ones are refused",
+        waiting,
+        grace_s,
+    )
+    started = time.monotonic()
+    left = guard.drain(grace_s)
+    if left:
+        log.warning(
+            "stopped after %.0f s with %d request(s) unanswered", time.monotonic() - started, left
+        )
+    app.close()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a server
     # Every option is checked before the (slow) imports and model loading.
@@ -195,8 +260,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
 
+    folder = cache_folder()
+    os.environ["GRADIO_TEMP_DIR"] = str(folder)  # Gradio reads it as it builds the app
     from showattendtell.service.app import launch
     from showattendtell.service.cache import CacheBound
+    from showattendtell.service.guard import Guard
     from showattendtell.service.uploads import find_examples
     from showattendtell.service.worker import load_service
 
@@ -212,23 +280,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     except ValueError as e:  # resolve_device: no CUDA GPU
         raise ServeError(str(e)) from None
-    cache = CacheBound(int(args.cache_mb * 2**20) or None, args.cache_hours * 3600 or None)
-    try:
-        launch(
-            service,
-            args.host,
-            args.port,
-            args.max_upload_mb,
-            find_examples(args.examples),
-            args.concurrency,
-            args.queue_size,
-            auth=auth,
-            cache=cache,
-            session_minutes=args.session_minutes,
-            max_sessions=args.max_sessions,
-        )
-    except OSError as e:  # the port was taken while the models loaded
-        raise ServeError(port_message(args.host, args.port, e)) from None
-    finally:
-        service.close()
+    cache = CacheBound(
+        int(args.cache_mb * 2**20) or None, args.cache_hours * 3600 or None, folder=folder
+    )
+    guard = Guard()
+    with stop_requested() as stop:
+        try:
+            app = launch(
+                service,
+                args.host,
+                args.port,
+                args.max_upload_mb,
+                find_examples(args.examples),
+                args.concurrency,
+                args.queue_size,
+                auth=auth,
+                cache=cache,
+                session_minutes=args.session_minutes,
+                max_sessions=args.max_sessions,
+                block=False,
+                quiet=False,
+                guard=guard,
+            )
+        except OSError as e:  # the port was taken while the models loaded
+            service.close()
+            raise ServeError(port_message(args.host, args.port, e)) from None
+        try:
+            serve_until_stopped(app, guard, stop, STOP_GRACE_S)
+        finally:
+            service.close()
     return 0

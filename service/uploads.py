@@ -37,6 +37,8 @@ def upload_source(upload: Any, max_bytes: int | None = None) -> str | bytes:
         raise ServiceError(NO_IMAGE)
     if isinstance(upload, dict):
         if upload.get("path"):
+            if is_url(upload["path"]):
+                raise ServiceError(NOT_AN_UPLOAD)
             return str(upload["path"])
         upload = upload.get("url") or ""
         if upload and not str(upload).startswith("data:"):
@@ -52,8 +54,39 @@ def upload_source(upload: Any, max_bytes: int | None = None) -> str | bytes:
             raise ImageError(f"the image is larger than the {max_bytes / 2**20:g} MB limit")
         return data
     if isinstance(upload, (str, Path)) and str(upload):
+        if is_url(upload):
+            raise ServiceError(NOT_AN_UPLOAD)
         return str(upload)
     raise ServiceError(NO_IMAGE)
+
+
+def is_url(value: Any) -> bool:
+    """Whether ``value`` names something to fetch (``scheme://...``) rather than a file."""
+    return isinstance(value, str) and "://" in value[:32]
+
+
+def refuse_urls(inputs: Any) -> None:
+    """Refuse, before Gradio fetches anything, a request whose inputs name a URL as a file.
+
+    Gradio downloads every file dict (``{"path": "https://...", "meta": {"_type":
+    "gradio.FileData"}}``, what gradio_client's ``handle_file(URL)`` sends) into its cache while
+    it prepares an event's inputs, before the event's function runs: a server that fetches
+    what clients name can be made to reach hosts only it can reach. Inline images (data: URLs)
+    and uploads are the ways in."""
+
+    def check(value: Any, depth: int = 0) -> None:
+        if depth > 8:  # a file dict sits at most a few levels down
+            return
+        if isinstance(value, dict):
+            if is_url(value.get("path")):  # what Gradio fetches ("url" is the page's link)
+                raise ServiceError(NOT_AN_UPLOAD)
+            for v in value.values():
+                check(v, depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                check(v, depth + 1)
+
+    check(inputs)
 
 
 def upload_path(upload: Any) -> str | None:

@@ -179,6 +179,15 @@ def test_second_sat_serve_on_a_busy_port(tmp_path):
 def _fake_launch(monkeypatch) -> dict:
     """Patch launch: `sat serve` loads its models and returns instead of serving."""
     seen: dict = {}
+    monkeypatch.delenv("GRADIO_TEMP_DIR", raising=False)  # `sat serve` sets it: unset after
+
+    class Stopped:
+        """An app whose server has ended: `sat serve` closes it and returns."""
+
+        is_running = False
+
+        def close(self) -> None:
+            seen["closed"] = True
 
     def fake(
         service,
@@ -199,7 +208,7 @@ def _fake_launch(monkeypatch) -> dict:
             decoding={n: c.decoding for n, c in service.captioners.items()},
             **service_options,
         )
-        return None
+        return Stopped()
 
     monkeypatch.setattr("showattendtell.service.app.launch", fake)
     monkeypatch.setattr("showattendtell.service.serve.check_port", lambda host, port: None)
