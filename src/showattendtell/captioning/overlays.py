@@ -202,7 +202,7 @@ def overlay_names(paths: list[str]) -> dict[str, str]:
             break
     out: dict[str, str] = {}
     used: set[str] = set()
-    for p in paths:
+    for p in dict.fromkeys(paths):  # a path given twice has one sheet
         name, k = names[p], 2
         while name.lower() in used:
             name, k = f"{names[p]}-{k}", k + 1

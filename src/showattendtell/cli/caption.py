@@ -38,9 +38,9 @@ def add_parser(sub) -> None:
         "paths",
         nargs="+",
         metavar="PATH",
-        help="image files and/or folders; - reads more paths from standard input, "
-        "one per line (e.g. find photos -name '*.jpg' | sat caption - -o "
-        "out.jsonl)",
+        help="image files and/or folders, each captioned as often as it is given; - reads "
+        "more paths from standard input, one per line (e.g. find photos -name '*.jpg' | sat "
+        "caption - -o out.jsonl)",
     )
     p.add_argument("-r", "--recursive", action="store_true", help="look into sub-folders too")
     _add_output_args(p)
