@@ -124,3 +124,16 @@ def test_recursive_is_suggested_only_where_there_are_sub_folders(
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith("error: no image files found in notes")
     assert ("--recursive" in err) == hinted
+
+
+def test_an_image_piped_to_dash_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """`cat photo.jpg | sat caption -`: - reads paths; the bytes are not printed as a name."""
+    import io
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(photos(1)[0].read_bytes())))
+    assert main(["caption", "-"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: standard input holds image data, but - reads file paths")
+    assert err.count("\n") == 1

@@ -289,3 +289,20 @@ def test_export_of_a_plain_pickle_prints_only_its_error_line(tmp_path, capsys):
     assert not [w for w in caught if "pickle protocol" in str(w.message)]
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and err.startswith(f"error: checkpoint: {src} is not a")
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line(monkeypatch, capsys):
+    """What pip leaves when it falls back to other wheels: torchvision's import fails with
+    "operator torchvision::nms does not exist" deep in a traceback; `sat train --help` says
+    which versions do not match and how to install a pair, in one line."""
+
+    def broken(args):
+        raise RuntimeError("operator torchvision::nms does not exist")
+
+    monkeypatch.setattr(train_command, "train", broken)
+    assert main(["train", "--help"]) == 1
+    line = one_error_line(capsys)
+    from importlib import metadata
+
+    assert f"torch {metadata.version('torch')} and torchvision " in line and "do not match" in line
+    assert "pip install --force-reinstall torch==" in line

@@ -64,7 +64,25 @@ def _stdin_paths() -> list[str]:
             file=sys.stderr,
         )
     data = sys.stdin.buffer.read()
+    if _looks_like_image(data):
+        raise UsageError(
+            "standard input holds image data, but - reads file paths, one per line: save the "
+            "image to a file and caption that (sat caption photo.jpg), or list paths (find "
+            "photos -name '*.jpg' | sat caption -)"
+        )
     return [os.fsdecode(line.rstrip(b"\r")) for line in data.split(b"\n") if line.strip()]
+
+
+def _looks_like_image(data: bytes) -> bool:
+    """Whether standard input is an image's bytes rather than a list of paths: JPEG's or PNG's
+    signature, WebP's RIFF header, HEIC's and AVIF's ftyp box, or a NUL byte, which no path
+    holds and the headers of GIF, BMP and TIFF do."""
+    head = data[:16]
+    if head.startswith((b"\xff\xd8\xff", b"\x89PNG")):
+        return True
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return True
+    return head[4:8] == b"ftyp" or b"\x00" in data[:4096]
 
 
 def _count_files(counts: Counter[str]) -> str:

@@ -137,6 +137,38 @@ def _run(argv: list[str], train: bool) -> int:
     except KeyboardInterrupt as e:
         print("interrupted", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
+    except RuntimeError as e:
+        # torchvision's compiled operators register with the torch it was built for; with
+        # another torch (pip's fallback to other wheels) its import fails deep in a traceback
+        if "torchvision::" not in str(e):
+            raise
+        print(f"error: {torch_mismatch()}", file=sys.stderr)
+        return 1
+
+
+def torch_mismatch() -> str:
+    """One line naming the installed torch and torchvision that do not belong together, and
+    the command that installs a matching pair (read from the packages' metadata: importing
+    torchvision is what fails)."""
+    from importlib import metadata
+
+    versions = {}
+    for name in ("torch", "torchvision"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "(not installed)"
+    torch = versions["torch"]
+    release, _, local = torch.partition("+")
+    major, minor = (release.split(".") + ["0", "0"])[:2]
+    index = f" --index-url https://download.pytorch.org/whl/{local}" if local else ""
+    pair = f"torch=={release} torchvision==0.{int(minor) + 15}.*" if major == "2" else ""
+    return (
+        f"torch {torch} and torchvision {versions['torchvision']} do not match (torchvision "
+        f"was built for another torch); install a matching pair: pip install --force-reinstall "
+        + (pair or "torch torchvision")
+        + index
+    )
 
 
 if __name__ == "__main__":
