@@ -137,3 +137,12 @@ def test_an_image_piped_to_dash_is_refused_in_one_line(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert err.startswith("error: standard input holds image data, but - reads file paths")
     assert err.count("\n") == 1
+
+
+def test_an_unknown_option_prints_caption_s_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["caption", "photo.jpg", "--no-such-option"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: sat caption ")
+    assert err.strip().endswith("sat caption: error: unrecognized arguments: --no-such-option")

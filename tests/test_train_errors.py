@@ -285,7 +285,7 @@ def test_export_of_a_plain_pickle_prints_only_its_error_line(tmp_path, capsys):
     src = _not_a_checkpoint("pickle", tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert main(["export", str(src), str(tmp_path / "out.safetensors")]) == 1
+        assert main(["export", str(src), str(tmp_path / "out.safetensors")]) == 2
     assert not [w for w in caught if "pickle protocol" in str(w.message)]
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and err.startswith(f"error: checkpoint: {src} is not a")
@@ -306,3 +306,15 @@ def test_a_torchvision_built_for_another_torch_is_one_line(monkeypatch, capsys):
 
     assert f"torch {metadata.version('torch')} and torchvision " in line and "do not match" in line
     assert "pip install --force-reinstall torch==" in line
+
+
+def test_export_refuses_an_output_named_other_than_safetensors(tmp_path, capsys):
+    """The file holds safetensors: a .pt name would have torch.load try to unpickle it."""
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"not read")
+    assert main(["export", str(ckpt), str(tmp_path / "x.pt")]) == 2
+    assert one_error_line(capsys) == (
+        f"error: output: {tmp_path / 'x.pt'} would hold a safetensors model file under another "
+        "name; name it x.safetensors"
+    )
+    assert not (tmp_path / "x.pt").exists()

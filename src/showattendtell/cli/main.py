@@ -102,6 +102,16 @@ def _log_to_stderr(train: bool) -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, except that an option the command does not know is refused with
+    the command's usage (`sat caption: ...`), not the top-level one, which lists no options."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     program = argv is None  # `sat` itself, not a test or a script calling main([...])
     argv = sys.argv[1:] if argv is None else argv
@@ -122,7 +132,7 @@ def _run(argv: list[str], train: bool) -> int:
 
             run = train_command.train if argv[0] == "train" else train_command.extract_features
             return run(argv[1:])
-        args = build_parser().parse_args(argv)
+        args = _parse(build_parser(), argv)
         args.command_line = list(argv)  # e.g. for the --resume command an interrupted run prints
         return args.func(args)
     except UserError as e:
