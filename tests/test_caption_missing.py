@@ -146,3 +146,31 @@ def test_an_unknown_option_prints_caption_s_usage(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: sat caption ")
     assert err.strip().endswith("sat caption: error: unrecognized arguments: --no-such-option")
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--device", "cuda"], "error: --device cuda was asked for, but no CUDA GPU is available"),
+        (["-o", "{notes}/sub/out.jsonl"], "error: cannot create the folder for --output"),
+        (["--overlays", "{notes}/sheets"], "error: cannot create the folder for --overlays"),
+    ],
+)
+def test_usage_errors_that_need_no_model_come_before_the_imports(
+    argv, said, tmp_path, monkeypatch, capsys
+):
+    """Said by cli/caption.py's checks, before the job (and torch) is imported: in a
+    fraction of a second, not the seconds torch's import takes."""
+    from showattendtell.cli import common
+
+    def job(args):
+        raise AssertionError("the job started: the check came after the imports")
+
+    monkeypatch.setattr(caption_job, "run", job)
+    monkeypatch.setattr(common, "no_gpu_driver", lambda: True)  # as on a machine without one
+    notes = tmp_path / "notes"
+    notes.write_text("a file where a folder would be made\n")
+    argv = [a.format(notes=notes) for a in argv]
+    assert main(["caption", str(notes), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and err.count("\n") == 1

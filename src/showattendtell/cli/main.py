@@ -128,6 +128,9 @@ def _run(argv: list[str], train: bool) -> int:
     try:
         # train and features hand their arguments to LightningCLI (YAML configs, dotted overrides)
         if train:
+            from showattendtell.cli.train_checks import check_before_imports
+
+            check_before_imports(argv[1:])  # a mistyped path answers before the imports
             from showattendtell.cli import train as train_command
 
             run = train_command.train if argv[0] == "train" else train_command.extract_features
