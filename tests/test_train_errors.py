@@ -335,3 +335,40 @@ def test_a_data_root_that_is_not_there_is_said_before_lightning_is_imported(tmp_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.split() == ["2", "False", "False"], done.stderr
     assert "--data.root" in done.stderr and "no such folder" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "cores", "load", "threads"),
+    [
+        (None, 2, 24.0, 1),  # a 2-core machine busy with other work: one thread
+        (None, 2, 0.1, 2),  # an idle one: a thread a core
+        (None, 16, 6.2, 10),  # what the others leave
+        (3, 2, 24.0, 3),  # --run.threads decides
+    ],
+)
+def test_training_threads_are_chosen_for_the_machine(given, cores, load, threads):
+    assert train_command.cpu_threads(given, cores, load) == threads
+
+
+def test_run_threads_below_one_is_refused(synthetic_flickr, tmp_path, capsys):
+    assert main([*tiny(synthetic_flickr, tmp_path / "run"), "--run.threads", "0"]) == 2
+    assert one_error_line(capsys) == "error: --run.threads 0: must be 1 or more (or null: chosen)"
+
+
+def test_library_advice_is_not_printed(caplog):
+    """Lightning's litlogger tip and the loader's advice to add workers: lines a user of
+    `sat train` cannot act on. Lightning's other lines stay."""
+    import logging
+
+    train_command._quiet_library_advice()
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    with caplog.at_level(logging.INFO):
+        log.info("💡 Tip: try installing [litlogger](https://pypi.org/project/litlogger/)")
+        log.info("GPU available: False, used: False")
+    assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn(
+            "The 'train_dataloader' does not have many workers which may be a bottleneck",
+            stacklevel=1,
+        )
+    assert not caught

@@ -166,6 +166,9 @@ def check_run_settings(run) -> None:
         value = run.get(name)
         if value is not None and value < 0:
             raise UsageError(f"--run.{name} {value}: must be 0 or more (or null)")
+    threads = run.get("threads")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--run.threads {threads}: must be 1 or more (or null: chosen)")
 
 
 def check_resume_checkpoint(ckpt_path: str | None) -> None:
