@@ -291,3 +291,18 @@ def test_nothing_speaks_of_development_history():
                 if HISTORY.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
     assert not found, "\n".join(found)
+
+
+def test_the_quickstart_runs_in_order():
+    """Each `sat caption` line of the Quickstart writes its own output: run one after the
+    other, as a new user does, the second is not refused because the first's file exists."""
+    quickstart = README.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    outputs = []
+    for line in shell_lines(quickstart):
+        words = shlex.split(line)
+        if words[:2] != ["sat", "caption"] or {"--resume", "--overwrite"} & set(words):
+            continue
+        for flag in ("-o", "--output"):
+            if flag in words:
+                outputs.append(words[words.index(flag) + 1])
+    assert len(outputs) >= 2 and len(outputs) == len(set(outputs)), outputs

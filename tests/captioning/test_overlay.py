@@ -89,3 +89,18 @@ def test_a_sheet_draws_every_word_on_one_scale():
     panels = word_panels(image, r, size=90, vmax=float(np.max(r.attention)))
     flat, focused = (np.asarray(p).astype(int) for p in panels)
     assert np.abs(flat - 128).max() < np.abs(focused - 128).max() / 2
+
+
+def test_a_small_photo_fills_the_top_of_its_sheet():
+    """A 224 px photo is scaled up to the height a large photo gets (not left at its own size
+    in the top-left corner of a band five panels wide), and centred over the panels."""
+    small = Image.new("RGB", (224, 224), (200, 30, 30))
+    large = Image.new("RGB", (2240, 2240), (200, 30, 30))
+    sheet = caption_sheet(small, result())
+    assert sheet.size == caption_sheet(large, result()).size
+    pixels = np.asarray(sheet)
+    red = (pixels[..., 0] > 150) & (pixels[..., 1] < 80) & (pixels[..., 2] < 80)
+    rows, cols = np.nonzero(red[:400])
+    assert rows.max() - rows.min() + 1 >= 350  # 360 px tall, not 224
+    left, right = cols.min(), sheet.width - 1 - cols.max()
+    assert left > 100 and right > 100  # centred, not in the corner

@@ -210,7 +210,9 @@ def test_export_of_something_else_is_one_line_of_our_own(kind, tmp_path, tiny_mo
         src.mkdir()
     else:
         torch.save({"weights": torch.zeros(2)}, src)
-    assert main(["export", str(src), str(tmp_path / "out.safetensors")]) == 1
+    assert (
+        main(["export", str(src), str(tmp_path / "out.safetensors")]) == 2
+    )  # a usage error: the wrong file given
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: checkpoint: ") and src.name in err and "\n" not in err
     assert "weights_only" not in err and "sat train" in err

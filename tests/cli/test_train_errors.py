@@ -285,7 +285,90 @@ def test_export_of_a_plain_pickle_prints_only_its_error_line(tmp_path, capsys):
     src = _not_a_checkpoint("pickle", tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert main(["export", str(src), str(tmp_path / "out.safetensors")]) == 1
+        assert main(["export", str(src), str(tmp_path / "out.safetensors")]) == 2
     assert not [w for w in caught if "pickle protocol" in str(w.message)]
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and err.startswith(f"error: checkpoint: {src} is not a")
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line(monkeypatch, capsys):
+    """What pip leaves when it falls back to other wheels: torchvision's import fails with
+    "operator torchvision::nms does not exist" deep in a traceback; `sat train --help` says
+    which versions do not match and how to install a pair, in one line."""
+
+    def broken(args):
+        raise RuntimeError("operator torchvision::nms does not exist")
+
+    monkeypatch.setattr(train_command, "train", broken)
+    assert main(["train", "--help"]) == 1
+    line = one_error_line(capsys)
+    from importlib import metadata
+
+    assert f"torch {metadata.version('torch')} and torchvision " in line and "do not match" in line
+    assert "pip install --force-reinstall torch==" in line
+
+
+def test_export_refuses_an_output_named_other_than_safetensors(tmp_path, capsys):
+    """The file holds safetensors: a .pt name would have torch.load try to unpickle it."""
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(b"not read")
+    assert main(["export", str(ckpt), str(tmp_path / "x.pt")]) == 2
+    assert one_error_line(capsys) == (
+        f"error: output: {tmp_path / 'x.pt'} would hold a safetensors model file under another "
+        "name; name it x.safetensors"
+    )
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_data_root_that_is_not_there_is_said_before_lightning_is_imported(tmp_path):
+    """The check needs only the command line and the config files: no Lightning, no torch
+    (16 s on a busy machine before; now a fraction of a second)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from showattendtell.cli.main import main\n"
+        f"rc = main({tiny(tmp_path / 'missing', tmp_path / 'run')!r})\n"
+        "print(rc, 'lightning' in sys.modules, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.split() == ["2", "False", "False"], done.stderr
+    assert "--data.root" in done.stderr and "no such folder" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "cores", "load", "threads"),
+    [
+        (None, 2, 24.0, 1),  # a 2-core machine busy with other work: one thread
+        (None, 2, 0.1, 2),  # an idle one: a thread a core
+        (None, 16, 6.2, 10),  # what the others leave
+        (3, 2, 24.0, 3),  # --run.threads decides
+    ],
+)
+def test_training_threads_are_chosen_for_the_machine(given, cores, load, threads):
+    assert train_command.cpu_threads(given, cores, load) == threads
+
+
+def test_run_threads_below_one_is_refused(synthetic_flickr, tmp_path, capsys):
+    assert main([*tiny(synthetic_flickr, tmp_path / "run"), "--run.threads", "0"]) == 2
+    assert one_error_line(capsys) == "error: --run.threads 0: must be 1 or more (or null: chosen)"
+
+
+def test_library_advice_is_not_printed(caplog):
+    """Lightning's litlogger tip and the loader's advice to add workers: lines a user of
+    `sat train` cannot act on. Lightning's other lines stay."""
+    import logging
+
+    train_command._quiet_library_advice()
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    with caplog.at_level(logging.INFO):
+        log.info("💡 Tip: try installing [litlogger](https://pypi.org/project/litlogger/)")
+        log.info("GPU available: False, used: False")
+    assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn(
+            "The 'train_dataloader' does not have many workers which may be a bottleneck",
+            stacklevel=1,
+        )
+    assert not caught

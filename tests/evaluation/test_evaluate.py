@@ -600,3 +600,43 @@ def test_an_output_that_is_no_regular_file_is_written_not_replaced(tmp_path):
     reader.join(timeout=10)
     assert json.loads(got[0]) == [{"image_id": 1, "caption": "a dog"}]
     assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(tmp_path.iterdir()) == [fifo]
+
+
+def test_stopped_while_scoring_says_where_the_captions_are_and_resume_scores_them(
+    model_file, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C or SIGTERM while the toolkit scores (minutes of Java): the results file is
+    written and the captions kept, the message says where and the command to go on; --resume
+    then scores them without captioning a photo again (no "already exists")."""
+    import shlex
+
+    from showattendtell.errors import Terminated
+
+    no_java_needed(monkeypatch)
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=3)
+    out, partial = tmp_path / "r.json", tmp_path / "r.json.partial.jsonl"
+    argv = flickr8k_argv(model_file, root, "--num-workers", "0", output=out)
+
+    def stopped(*args, **kwargs):
+        raise Terminated()
+
+    monkeypatch.setattr(metrics, "score_captions", stopped)
+    assert main(argv) == 143
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"interrupted while scoring: 3 of 3 images captioned, written to {out} and kept in "
+        f"{partial}; score them with:\n  {shlex.join(['sat', *argv, '--resume'])}\n"
+    )
+    results = json.loads(out.read_text())
+    assert len(results) == 3 and partial.exists()
+
+    assert main(argv) == 2  # without --resume the kept captions are not thrown away
+    capsys.readouterr()
+    asked = interrupt_after(monkeypatch, 99)
+    monkeypatch.setattr(metrics, "score_captions", lambda *a, **k: dict.fromkeys(KEYS, 0.5))
+    assert main([*argv, "--resume"]) == 0
+    resumed = capsys.readouterr()
+    assert all(not photos for photos in asked)  # nothing captioned again
+    assert json.loads(resumed.out.strip().splitlines()[-1])["CIDEr"] == 0.5
+    assert json.loads(out.read_text()) == results
+    assert not partial.exists() and not (tmp_path / "r.json.partial.json").exists()

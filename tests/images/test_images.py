@@ -1,6 +1,7 @@
 """Decoding untrusted files: odd formats are handled, bad files give one-line ImageErrors."""
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,10 +64,9 @@ def test_a_reduced_jpeg_stays_upright():
 
 
 def test_every_entry_point_feeds_the_encoder_the_same_reduced_photo(tiny_model_file, tmp_path):
-    from showattendtell.service.uploads import read_upload
-
     from showattendtell.captioning.captioner import load_model
     from showattendtell.images.files import load_image
+    from showattendtell.service.uploads import read_upload
 
     path = tmp_path / "big.jpg"
     path.write_bytes(save(photo(2400, 1800), "JPEG", quality=90))
@@ -374,3 +374,49 @@ def test_a_scan_keeps_broken_links_named_like_photos_and_says_what_they_are(tmp_
         open_image(tmp_path / "sub")
     with pytest.raises(ImageError, match="none.jpg: no such file"):
         open_image(tmp_path / "none.jpg")
+
+
+def test_a_file_that_cannot_be_read_says_permission_denied(tmp_path, monkeypatch):
+    """Not "corrupt or truncated": the file system said no (chmod does not stop root, so the
+    refusal is the one ``open`` gives a user without read permission)."""
+    import builtins
+    import errno
+
+    path = tmp_path / "private.jpg"
+    photo().save(path)
+    real_open = builtins.open
+
+    def refusing_open(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    with pytest.raises(ImageError) as e:
+        open_image(path)
+    assert str(e.value) == f"{path}: cannot read the file: permission denied"
+
+
+def test_an_unreadable_sub_folder_is_reported_not_dropped(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from showattendtell.images.files import UnreadableFolder
+
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "a.jpg").write_bytes(b"x")
+    (tmp_path / "locked" / "b.jpg").write_bytes(b"x")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if Path(os.fsdecode(path)) == tmp_path / "locked":
+            raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    unreadable: list = []
+    found = list_images([tmp_path], recursive=True, unreadable=unreadable)
+    assert [p.name for p in found] == ["a.jpg"]
+    assert unreadable == [(tmp_path / "locked", "permission denied")]
+    with pytest.raises(UnreadableFolder, match="cannot read the folder .*locked: permission"):
+        list_images([tmp_path], recursive=True)  # nobody to tell: no silent gap

@@ -127,6 +127,7 @@ def word_panels(
     ]
 
 
+SHEET_PHOTO_HEIGHT = 360  # the height of the photo at the top of a caption sheet, at most
 SHEET_SOURCE_SIZE = 5 * (200 + 8)  # the widest a caption sheet shows the photo (5 panels of
 # 200 px and their gaps): `sat caption --overlays` decodes photos no smaller than this
 
@@ -147,16 +148,20 @@ def caption_sheet(
     label_h, pad = 26, 8
     cols = max(1, min(columns, len(panels)))
     rows = (len(panels) + cols - 1) // cols
-    top_scale = min(1.0, (cols * (pw + pad)) / max(image.width, 1), 360 / max(image.height, 1))
+    # the photo as large as the band of panels and SHEET_PHOTO_HEIGHT allow: a small photo (a
+    # 224 px thumbnail) is scaled up, not left at its own size in a corner of the band
+    band = cols * (pw + pad) - pad
+    top_scale = min(band / max(image.width, 1), SHEET_PHOTO_HEIGHT / max(image.height, 1))
     top = image.resize(
-        (max(1, round(image.width * top_scale)), max(1, round(image.height * top_scale)))
+        (max(1, round(image.width * top_scale)), max(1, round(image.height * top_scale))),
+        Image.Resampling.BICUBIC,
     )
     width = max(cols * (pw + pad) + pad + LABELLED_BAR_WIDTH + pad, top.width + 2 * pad)
     cap_h = 40
     height = pad + top.height + cap_h + rows * (ph + label_h + pad) + pad
     sheet = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
-    sheet.paste(top, (pad, pad))
+    sheet.paste(top, (pad + (band - top.width) // 2, pad))  # centred over the panels
     draw.text(
         (pad, pad + top.height + 8),
         result.caption or "(empty caption)",
@@ -202,7 +207,7 @@ def overlay_names(paths: list[str]) -> dict[str, str]:
             break
     out: dict[str, str] = {}
     used: set[str] = set()
-    for p in paths:
+    for p in dict.fromkeys(paths):  # a path given twice has one sheet
         name, k = names[p], 2
         while name.lower() in used:
             name, k = f"{names[p]}-{k}", k + 1

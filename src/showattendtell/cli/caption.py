@@ -10,12 +10,15 @@ import argparse
 import os
 import re
 import sys
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from showattendtell.cli.common import (
     add_decoding_args,
     add_device_args,
     add_model_arg,
+    check_device_before_imports,
 )
 from showattendtell.errors import UsageError
 from showattendtell.search.options import DEFAULT_BATCH_SIZE
@@ -38,9 +41,9 @@ def add_parser(sub) -> None:
         "paths",
         nargs="+",
         metavar="PATH",
-        help="image files and/or folders; - reads more paths from standard input, "
-        "one per line (e.g. find photos -name '*.jpg' | sat caption - -o "
-        "out.jsonl)",
+        help="image files and/or folders, each captioned as often as it is given; - reads "
+        "more paths from standard input, one per line (e.g. find photos -name '*.jpg' | sat "
+        "caption - -o out.jsonl)",
     )
     p.add_argument("-r", "--recursive", action="store_true", help="look into sub-folders too")
     _add_output_args(p)
@@ -209,6 +212,45 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("-o is a file and --overlays a folder: give them different names")
     if args.overlays and os.path.exists(args.overlays) and not os.path.isdir(args.overlays):
         raise UsageError(f"--overlays {args.overlays} exists and is not a folder")
+    check_device_before_imports(args)
+    if args.output:
+        _check_writable("--output", Path(args.output).parent)
+        _check_file_writable(Path(args.output))
+    if args.overlays:
+        _check_writable("--overlays", Path(args.overlays))
+
+
+def _check_writable(option: str, folder: Path) -> None:
+    """Whether files can be made in ``folder``, or in the nearest folder above it that exists
+    (where it would be created): tried with a real, removed file, as outputs.prepare_folder
+    does once the inputs are listed, but creating nothing. Said now, before the imports."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(
+            f"cannot create the folder for {option} ({folder}): a file of that name is in the way"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".sat-write-test-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        what = "write into" if existing == folder else "create"  # as prepare_folder says it
+        raise UsageError(
+            f"cannot {what} the folder for {option} ({folder}): {e.strerror or e}"
+        ) from None
+
+
+def _check_file_writable(path: Path) -> None:
+    """An existing --output that cannot be opened to write (its mode, a read-only mount)."""
+    if not path.is_file():
+        return
+    try:
+        with open(path, "ab"):  # opened to append: nothing written
+            pass
+    except OSError as e:
+        raise UsageError(f"cannot write --output {path}: {e.strerror or e}") from None
 
 
 def run(args: argparse.Namespace) -> int:

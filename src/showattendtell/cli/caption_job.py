@@ -64,7 +64,25 @@ def _stdin_paths() -> list[str]:
             file=sys.stderr,
         )
     data = sys.stdin.buffer.read()
+    if _looks_like_image(data):
+        raise UsageError(
+            "standard input holds image data, but - reads file paths, one per line: save the "
+            "image to a file and caption that (sat caption photo.jpg), or list paths (find "
+            "photos -name '*.jpg' | sat caption -)"
+        )
     return [os.fsdecode(line.rstrip(b"\r")) for line in data.split(b"\n") if line.strip()]
+
+
+def _looks_like_image(data: bytes) -> bool:
+    """Whether standard input is an image's bytes rather than a list of paths: JPEG's or PNG's
+    signature, WebP's RIFF header, HEIC's and AVIF's ftyp box, or a NUL byte, which no path
+    holds and the headers of GIF, BMP and TIFF do."""
+    head = data[:16]
+    if head.startswith((b"\xff\xd8\xff", b"\x89PNG")):
+        return True
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return True
+    return head[4:8] == b"ftyp" or b"\x00" in data[:4096]
 
 
 def _count_files(counts: Counter[str]) -> str:
@@ -81,11 +99,15 @@ def _suffix_counts(counts: Counter[str], show: int = 5) -> list[str]:
     return parts
 
 
-def _inputs(args: argparse.Namespace) -> list[str]:
-    """The image paths to caption, in order, as typed, listed on standard input (-) or found
-    in folders (deduplicated). A path typed that does not exist is a usage error (a typo); one
-    listed on standard input gets an error record, as an unreadable file does (a long list
-    with one stale line still captions the rest)."""
+def _inputs(
+    args: argparse.Namespace, unreadable: list[tuple[Path, str]] | None = None
+) -> list[str]:
+    """The image paths to caption, in order: one per path as typed or listed on standard input
+    (-), repeats included, so that the records match the arguments one for one; a folder gives
+    its photos each time it is given. A path typed that does not exist is a usage error (a
+    typo); one listed on standard input gets an error record, as an unreadable file does (a
+    long list with one stale line still captions the rest). Sub-folders that cannot be read
+    (--recursive) are warned about and appended to ``unreadable``."""
 
     typed = [p for p in args.paths if p != "-"]
     listed = _stdin_paths() if "-" in args.paths else []
@@ -106,11 +128,11 @@ def _inputs(args: argparse.Namespace) -> list[str]:
     if not given_paths:
         raise UsageError("no image paths on standard input")
     paths: list[str] = []
-    seen: set[str] = set()
     empty: list[str] = []
+    not_read: list[tuple[Path, str]] = []
     for given in given_paths:
         skipped: Counter[str] = Counter()
-        found = [str(p) for p in list_images([given], args.recursive, skipped)]
+        found = [str(p) for p in list_images([given], args.recursive, skipped, not_read)]
         if skipped:
             print(
                 f"warning: {given}: skipped {_count_files(skipped)} not named as images "
@@ -119,11 +141,16 @@ def _inputs(args: argparse.Namespace) -> list[str]:
             )
         if not found:
             empty.append(given)
-        for p in found:
-            if p not in seen:
-                seen.add(p)
-                paths.append(p)
-    hint = "" if args.recursive else " (use --recursive for sub-folders)"
+        paths += found
+    for folder, why in not_read:
+        print(
+            f"warning: cannot read the folder {printable_path(str(folder))} ({why}): "
+            "its photos are left out",
+            file=sys.stderr,
+        )
+    if unreadable is not None:
+        unreadable += not_read
+    hint = _recursive_hint(args.recursive, empty)
     if not paths:
         raise UsageError(
             "no image files found in "
@@ -136,6 +163,18 @@ def _inputs(args: argparse.Namespace) -> list[str]:
     return paths
 
 
+def _recursive_hint(recursive: bool, folders: list[str]) -> str:
+    """' (use --recursive for sub-folders)' where one of ``folders`` has a sub-folder that
+    --recursive would look into; else nothing (the advice would not help)."""
+    if recursive:
+        return ""
+    for folder in folders:
+        with contextlib.suppress(OSError), os.scandir(folder) as entries:
+            if any(e.is_dir() and not e.name.startswith(".") for e in entries):
+                return " (use --recursive for sub-folders)"
+    return ""
+
+
 @dataclass
 class Plan:
     """What to caption, worked out by the first process and sent to the others."""
@@ -145,6 +184,7 @@ class Plan:
     fields: tuple[str, ...] | None  # the CSV columns of the file being continued
     sheets: dict[str, str] | None = None  # --overlays: the PNG name of each path to do
     made_by: list[dict] = field(default_factory=list)  # what made the file's captions (--resume)
+    unreadable: int = 0  # sub-folders that could not be read (--recursive): their photos missing
 
 
 def _plan(
@@ -153,7 +193,8 @@ def _plan(
     """Find the inputs, lock the output file and read what --resume continues, create the output
     folders: all before a model is loaded, so a usage error costs nothing. The lock, appended to
     ``lock``, is held until the run ends."""
-    paths = _inputs(args)
+    unreadable: list[tuple[Path, str]] = []
+    paths = _inputs(args, unreadable)
     out_path = Path(args.output) if args.output else None
     resume: ResumePoint | None = None
     existed = out_path is not None and out_path.exists()
@@ -180,8 +221,10 @@ def _plan(
         sheets = {p: names[p] for p in todo}
         _check_sheets(Path(args.overlays), sheets, paths, args.overwrite or args.resume)
     if resume is None:
-        return Plan(todo, len(paths) - len(todo), None, sheets), None
-    return Plan(todo, len(paths) - len(todo), resume.fields, sheets, resume.made_by), resume
+        return Plan(todo, len(paths) - len(todo), None, sheets, unreadable=len(unreadable)), None
+    plan = Plan(todo, len(paths) - len(todo), resume.fields, sheets, resume.made_by)
+    plan.unreadable = len(unreadable)
+    return plan, resume
 
 
 def _not_done(paths: list[str], done: Counter[str]) -> list[str]:
@@ -370,8 +413,16 @@ def _caption(
 
 
 def _nothing_to_do(plan: Plan, args: argparse.Namespace) -> int:
-    print(f"nothing to do: all {plan.skipped} images are already in {args.output}", file=sys.stderr)
-    return 0
+    print(
+        f"nothing to do: all {plan.skipped} images are already in {args.output}"
+        + (f"; {_folders(plan.unreadable)} could not be read" if plan.unreadable else ""),
+        file=sys.stderr,
+    )
+    return 1 if plan.unreadable else 0
+
+
+def _folders(n: int) -> str:
+    return f"{n} folder" + ("" if n == 1 else "s")
 
 
 def _caption_loop(
@@ -432,6 +483,7 @@ class _Written:
     def __init__(self) -> None:
         self.ok = 0
         self.failures: list[Record] = []
+        self.no_sheet: list[tuple[str, str]] = []  # (path, why): captioned, its sheet not written
 
 
 def _my_records(
@@ -492,12 +544,14 @@ def _write_steps(
         ]
         parts = procs.gather(lines)
         for part in parts or []:
-            for path, line, failure in part:
+            for path, line, failure, no_sheet in part:
                 writer.write_line(line)
                 if failure is None:
                     written.ok += 1
                 else:
                     written.failures.append(Record(path, error=failure))
+                if no_sheet is not None:
+                    written.no_sheet.append((path, no_sheet))
             progress(len(part))
 
 
@@ -527,25 +581,29 @@ def _exit_status(
         args.output,
         resume_command(args),
         "-" in args.paths,
+        unreadable=plan.unreadable,
+        no_sheet=written.no_sheet,
     )
     if interrupted:
         return interrupted
-    return 1 if written.failures else 0
+    return 1 if written.failures or written.no_sheet or plan.unreadable else 0
 
 
 def _formatted(
     rec: Record, writer: Writer, overlays: dict[str, Path] | None
-) -> tuple[str, str, str | None]:
-    """(path, output line, error or None) for one record; its overlay and warning done here, by
-    the process that captioned it."""
+) -> tuple[str, str, str | None, str | None]:
+    """(path, output line, error or None, why its overlay sheet is missing or None) for one
+    record; its overlay and warning done here, by the process that captioned it."""
+    no_sheet = None
     if rec.result is not None and overlays is not None:
         try:
             write_overlay(overlays[rec.path], rec)
         except Exception as e:  # noqa: BLE001 - the caption is still worth keeping
-            print(f"warning: no overlay for {rec.path}: {e}", file=sys.stderr)
+            no_sheet = (e.strerror if isinstance(e, OSError) else None) or str(e)
+            print(f"warning: no overlay sheet for {rec.path}: {no_sheet}", file=sys.stderr)
     if rec.result is not None and rec.result.warning:
         print(f"warning: {rec.path}: {rec.result.warning}", file=sys.stderr)
-    return rec.path, writer.line(rec), rec.error
+    return rec.path, writer.line(rec), rec.error, no_sheet
 
 
 def _summary(
@@ -558,10 +616,18 @@ def _summary(
     command: str | None = None,
     stdin: bool = False,
     show: int = 10,
+    unreadable: int = 0,
+    no_sheet: list[tuple[str, str]] | tuple = (),
 ) -> None:
     """The end-of-run report on standard error: counts, then the failed files and why; an
-    interrupted run says how to finish it (the command, as `sat train` does)."""
+    interrupted run says how to finish it (the command, as `sat train` does). Folders that
+    could not be read and overlay sheets that could not be written count as failures too:
+    work that is missing is never reported as done."""
     parts = [f"captioned {ok}", f"failed {len(failures)}"]
+    if no_sheet:
+        parts.append(f"no overlay sheet for {len(no_sheet)} (their captions are written)")
+    if unreadable:
+        parts.append(f"{_folders(unreadable)} could not be read (see the warnings above)")
     if skipped:
         parts.append(f"skipped {skipped} already in {output}")
     if interrupted:
@@ -580,3 +646,7 @@ def _summary(
         print(f"  {rec.path}: {rec.error}", file=sys.stderr)
     if len(failures) > show:
         print(f"  ... and {len(failures) - show} more (see the error records)", file=sys.stderr)
+    for path, why in no_sheet[:show]:
+        print(f"  {path}: no overlay sheet: {why}", file=sys.stderr)
+    if len(no_sheet) > show:
+        print(f"  ... and {len(no_sheet) - show} more sheets not written", file=sys.stderr)

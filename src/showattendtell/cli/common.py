@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 
+from showattendtell.errors import UsageError
 from showattendtell.search.options import (
     DECODING_OPTIONS,
     DEVICES,
@@ -83,6 +85,29 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
         choices=("32", "bf16", "16"),
         help="32 (default; float32), or mixed precision bf16 / 16 (float16: GPU only)",
     )
+
+
+# Where a GPU driver shows itself without importing torch: NVIDIA's (Linux), AMD ROCm's (which
+# torch.cuda also drives) and WSL2's GPU paravirtualisation.
+GPU_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def no_gpu_driver() -> bool:
+    """True where no CUDA GPU can be present, known without importing torch (seconds): macOS,
+    or Linux without any GPU driver's files. False where it cannot be told (Windows): torch
+    then decides, later."""
+    if sys.platform == "darwin":
+        return True
+    if sys.platform.startswith("linux"):
+        return not any(os.path.exists(f) for f in GPU_DRIVER_FILES)
+    return False
+
+
+def check_device_before_imports(args: argparse.Namespace) -> None:
+    """``--device cuda`` on a machine without a GPU driver: the same line torch's check gives,
+    without the seconds its import takes."""
+    if str(getattr(args, "device", "")).startswith("cuda") and no_gpu_driver():
+        raise UsageError("--device cuda was asked for, but no CUDA GPU is available")
 
 
 def decoding_overrides(args: argparse.Namespace) -> dict:

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             from showattendtell.outputs import check_new_output
 
             output = Path(_default_output(captioner.name, args))
-            check_new_output("--output", output, args.overwrite)
+            check_new_output("--output", output, args.overwrite or _scored_again(output, args))
             partial = PartialCaptions(output)
         partial.start(settings(args, captioner, decoding, instances is not None), args.resume)
     except BaseException:
@@ -212,12 +212,18 @@ def _finish(
     # A write that fails now (a disk that filled up, a folder removed during the run) must not
     # lose the scores of the whole split: they are printed, and the failure said, below.
     unwritten = _write_results(output, results)
-    if not unwritten:
-        partial.remove()
     print(made.summary(split.name, elapsed, partial, output, unwritten), file=sys.stderr)
 
     references = {k: by_id[k].captions for k in captions}
-    scores = score_captions(captions, references, official=True, spice=not args.no_spice)
+    # The partial captions stay until the scores are out: stopped while scoring (minutes of
+    # Java), --resume scores them without captioning a photo again.
+    try:
+        with sigterm_as_ctrl_c():
+            scores = score_captions(captions, references, official=True, spice=not args.no_spice)
+    except KeyboardInterrupt as e:
+        return partial.interrupted(e, len(captions), len(images), args, scoring=True)
+    if not unwritten:
+        partial.remove()
     out = {k: finite_or_none(v, 6) for k, v in scores.items()}
     out.update({k: round(v, 4) for k, v in repetition(captions).items()})
     print(
@@ -275,9 +281,19 @@ def _output_path(args: argparse.Namespace) -> Path | None:
         prepare_folder("--output", Path("."))
         return None
     path = Path(args.output)
-    check_new_output("--output", path, args.overwrite)
+    check_new_output("--output", path, args.overwrite or _scored_again(path, args))
     _check_not_a_dataset_file(path, Path(args.root))
     return path
+
+
+def _scored_again(output: Path, args: argparse.Namespace) -> bool:
+    """Whether --resume may replace an existing ``output``: it holds the captions of a run
+    stopped while scoring (or before), which are also kept in its partial file, so rewriting
+    it from them loses nothing. Any other existing file still needs --overwrite."""
+    if not args.resume:
+        return False
+    kept = PartialCaptions(output).path
+    return kept is not None and kept.is_file() and kept.stat().st_size > 0
 
 
 def _check_not_a_dataset_file(path: Path, root: Path) -> None:

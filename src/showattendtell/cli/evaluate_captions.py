@@ -223,25 +223,37 @@ class PartialCaptions:
                 path.unlink(missing_ok=True)
         self.release()  # the lock removes no file put at the path since: another run's
 
-    def interrupted(self, e: KeyboardInterrupt, done: int, total: int, args) -> int:
-        """Say what is kept and how to go on; the exit status (130 Ctrl-C, 143 SIGTERM)."""
+    def interrupted(
+        self, e: KeyboardInterrupt, done: int, total: int, args, scoring: bool = False
+    ) -> int:
+        """Say what is kept and how to go on; the exit status (130 Ctrl-C, 143 SIGTERM).
+        ``scoring``: stopped after the captions were all made and written to the results
+        file, while they were scored; --resume scores them without captioning again."""
         self.release()
-        if self.path is None:
+        if scoring:
+            what = f"interrupted while scoring: {done} of {total} images captioned, written to "
+            what += f"{self.output}" + (f" and kept in {self.path}" if self.path else "")
+            print(f"{what}; {self._again(args, 'score them')}", file=sys.stderr)
+        elif self.path is None:
             print(f"interrupted: {done} of {total} images captioned, not kept", file=sys.stderr)
         else:
-            given = getattr(args, "command_line", None)
-            if given:
-                command = shlex.join(
-                    ["sat", *given, *([] if "--resume" in given else ["--resume"])]
-                )
-                again = f"resume with:\n  {command}"
-            else:
-                again = "run the same command with --resume to go on"
             print(
-                f"interrupted: {done} of {total} images captioned, kept in {self.path}; {again}",
+                f"interrupted: {done} of {total} images captioned, kept in {self.path}; "
+                + self._again(args, "resume"),
                 file=sys.stderr,
             )
         return 143 if isinstance(e, Terminated) else 130
+
+    def _again(self, args, verb: str) -> str:
+        """'resume with:\n  sat evaluate ... --resume': the command that goes on."""
+        if self.path is None:
+            return "run it again to score them"
+        given = getattr(args, "command_line", None)
+        if given:
+            kept = [a for a in given if a != "--overwrite"]  # would refuse with --resume
+            command = shlex.join(["sat", *kept, *([] if "--resume" in kept else ["--resume"])])
+            return f"{verb} with:\n  {command}"
+        return f"run the same command with --resume to {verb.split()[0]}"
 
 
 def settings(args: argparse.Namespace, captioner, decoding: dict, attention: bool) -> dict:

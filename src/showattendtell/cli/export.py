@@ -92,20 +92,23 @@ def run(args: argparse.Namespace) -> int:
     _check_source(args.checkpoint)
     interpolate, alpha = _check_interpolate(args)
     _check_consensus(args)
-    if _is_model_file(args.checkpoint):  # its weights, its stored decoding with the overrides
-        from showattendtell.captioning.catalog import resolve_model
-        from showattendtell.model_file import read_model
+    try:  # a source that is no checkpoint or model file (a photo, a text) is a usage error
+        if _is_model_file(args.checkpoint):  # its weights, its stored decoding with overrides
+            from showattendtell.captioning.catalog import resolve_model
+            from showattendtell.model_file import read_model
 
-        model, stored, info = read_model(resolve_model(args.checkpoint))
-        decoding = stored.with_overrides(**overrides)
-        info = {**info, "re_exported_from": str(args.checkpoint)}
-    else:
-        from showattendtell.training.lit_module import load_checkpoint
+            model, stored, info = read_model(resolve_model(args.checkpoint))
+            decoding = stored.with_overrides(**overrides)
+            info = {**info, "re_exported_from": str(args.checkpoint)}
+        else:
+            from showattendtell.training.lit_module import load_checkpoint
 
-        decoding = DecodingConfig().with_overrides(**overrides)
-        module = load_checkpoint(args.checkpoint)
-        model = module.model
-        info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
+            decoding = DecodingConfig().with_overrides(**overrides)
+            module = load_checkpoint(args.checkpoint)
+            model = module.model
+            info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
+    except ModelFileError as e:
+        raise UsageError(str(e)) from None
     if interpolate is not None:
         from showattendtell.model_file import read_model
 
@@ -146,6 +149,11 @@ def _check_output(args: argparse.Namespace) -> Path:
     """Before a checkpoint is read: the output can be written, and an existing file is
     replaced only when asked (a model file may be the only copy of weeks of training)."""
     output = Path(args.output)
+    if output.suffix.lower() != ".safetensors":
+        raise UsageError(
+            f"output: {output} would hold a safetensors model file under another name; name "
+            f"it {output.with_suffix('.safetensors').name}"
+        )
     check_new_output("output", output, args.overwrite)
     return output
 

@@ -102,6 +102,16 @@ def _log_to_stderr(train: bool) -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, except that an option the command does not know is refused with
+    the command's usage (`sat caption: ...`), not the top-level one, which lists no options."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     program = argv is None  # `sat` itself, not a test or a script calling main([...])
     argv = sys.argv[1:] if argv is None else argv
@@ -118,11 +128,14 @@ def _run(argv: list[str], train: bool) -> int:
     try:
         # train and features hand their arguments to LightningCLI (YAML configs, dotted overrides)
         if train:
+            from showattendtell.cli.train_checks import check_before_imports
+
+            check_before_imports(argv[1:])  # a mistyped path answers before the imports
             from showattendtell.cli import train as train_command
 
             run = train_command.train if argv[0] == "train" else train_command.extract_features
             return run(argv[1:])
-        args = build_parser().parse_args(argv)
+        args = _parse(build_parser(), argv)
         args.command_line = list(argv)  # e.g. for the --resume command an interrupted run prints
         return args.func(args)
     except UserError as e:
@@ -137,6 +150,38 @@ def _run(argv: list[str], train: bool) -> int:
     except KeyboardInterrupt as e:
         print("interrupted", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
+    except RuntimeError as e:
+        # torchvision's compiled operators register with the torch it was built for; with
+        # another torch (pip's fallback to other wheels) its import fails deep in a traceback
+        if "torchvision::" not in str(e):
+            raise
+        print(f"error: {torch_mismatch()}", file=sys.stderr)
+        return 1
+
+
+def torch_mismatch() -> str:
+    """One line naming the installed torch and torchvision that do not belong together, and
+    the command that installs a matching pair (read from the packages' metadata: importing
+    torchvision is what fails)."""
+    from importlib import metadata
+
+    versions = {}
+    for name in ("torch", "torchvision"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "(not installed)"
+    torch = versions["torch"]
+    release, _, local = torch.partition("+")
+    major, minor = (release.split(".") + ["0", "0"])[:2]
+    index = f" --index-url https://download.pytorch.org/whl/{local}" if local else ""
+    pair = f"torch=={release} torchvision==0.{int(minor) + 15}.*" if major == "2" else ""
+    return (
+        f"torch {torch} and torchvision {versions['torchvision']} do not match (torchvision "
+        f"was built for another torch); install a matching pair: pip install --force-reinstall "
+        + (pair or "torch torchvision")
+        + index
+    )
 
 
 if __name__ == "__main__":

@@ -32,6 +32,59 @@ def check_config_files(args: list[str]) -> None:
         )
 
 
+def check_before_imports(args: list[str]) -> None:
+    """What `sat train` / `sat features` can check from the command line and its config files
+    alone, before Lightning and torch are imported (seconds): the config files are there, and
+    the dataset folder (--data.root, or the configs' data.root) is a folder. The same checks
+    run again once LightningCLI has parsed everything; these only answer sooner."""
+    from showattendtell.training.config_files import expand_bases
+
+    if any(
+        a in ("-h", "--help", "--print_config") or a.startswith("--print_config=") for a in args
+    ):
+        return
+    check_config_files(args)
+    data: dict = {}
+    for option, value in _options(expand_bases(args)):
+        if option == "--config":
+            data.update(_yaml_data(Path(value)))
+        elif option in ("--data.root", "--data.dataset"):
+            data[option.split(".", 1)[1]] = value
+    root = data.get("root")
+    if isinstance(root, str) and root:
+        check_dataset_root("--data.root", root, data.get("dataset") or "flickr8k")
+
+
+def _options(args: list[str]) -> list[tuple[str, str]]:
+    """(option, value) of ``--option value`` and ``--option=value``, in order."""
+    found = []
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        if "=" in arg:
+            found.append(tuple(arg.split("=", 1)))
+        elif i + 1 < len(args):
+            found.append((arg, args[i + 1]))
+    return found
+
+
+def _yaml_data(path: Path) -> dict:
+    """The ``data:`` section of a config file ({} where it has none or cannot be read: the
+    full parse says why)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    data = config.get("data") if isinstance(config, dict) else None
+    return (
+        {k: v for k, v in data.items() if k in ("root", "dataset")}
+        if isinstance(data, dict)
+        else {}
+    )
+
+
 # Data settings that torch would refuse only once training starts (DataLoader's batch size),
 # or that would fail there with a misleading message, checked before anything is built.
 _POSITIVE_DATA_SETTINGS = ("batch_size", "val_batch_size", "extract_batch_size")
@@ -113,6 +166,9 @@ def check_run_settings(run) -> None:
         value = run.get(name)
         if value is not None and value < 0:
             raise UsageError(f"--run.{name} {value}: must be 0 or more (or null)")
+    threads = run.get("threads")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--run.threads {threads}: must be 1 or more (or null: chosen)")
 
 
 def check_resume_checkpoint(ckpt_path: str | None) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError, UserError
 from showattendtell.network.encoder import IMAGENET_MEAN, IMAGENET_STD
 
 IMAGE_SUFFIXES = (
@@ -103,6 +103,8 @@ def open_image(
                 f"{name}: too large (over {max_pixels:,} pixels); resize it first"
             ) from None
         except OSError as e:
+            if e.errno is not None:  # the file system's refusal (EACCES, EIO), not bad data
+                raise ImageError(f"{name}: cannot read the file: {os_reason(e)}") from None
             raise ImageError(f"{name}: the image data is corrupt or truncated ({e})") from None
         if img.width * img.height > max_pixels:
             raise ImageError(
@@ -226,8 +228,16 @@ def normalise(x: torch.Tensor) -> torch.Tensor:
     return x.sub(mean).div_(std)  # as torchvision's normalize
 
 
+class UnreadableFolder(UsageError):
+    """A folder named on the command line that cannot be listed (permissions, a lost network
+    mount): nothing in it can be captioned, so the run stops before it starts (exit 2)."""
+
+
 def list_images(
-    paths: list[str | Path], recursive: bool = False, skipped: Counter[str] | None = None
+    paths: list[str | Path],
+    recursive: bool = False,
+    skipped: Counter[str] | None = None,
+    unreadable: list[tuple[Path, str]] | None = None,
 ) -> list[Path]:
     """Image files named directly, or found in folders (sorted), by suffix.
 
@@ -236,6 +246,11 @@ def list_images(
     before Python 3.13. ``skipped``, when given, counts the files of the folders that are left
     out, by suffix ("" for none), so that a caller can say what a scan did not caption;
     hidden files (.DS_Store, ._photo.jpg) are left out without being counted.
+
+    A folder of ``paths`` that cannot be listed raises UnreadableFolder. A sub-folder that
+    cannot be listed (``recursive``) is appended to ``unreadable`` (with why) and left out,
+    so that the caller can say so; without that list it raises UnreadableFolder too: no photo
+    goes missing without a word.
     """
     found: list[Path] = []
     for p in map(Path, paths):
@@ -243,17 +258,12 @@ def list_images(
             found.append(p)
             continue
         if not recursive:
-            files = [f for f in p.iterdir() if _is_file_entry(f)]
+            try:
+                files = [f for f in p.iterdir() if _is_file_entry(f)]
+            except OSError as e:
+                raise UnreadableFolder(f"cannot read the folder {p}: {os_reason(e)}") from None
         else:
-            files, seen = [], set()
-            for top, dirs, names in os.walk(p, followlinks=True):
-                st = os.stat(top)
-                if (st.st_dev, st.st_ino) in seen:  # reached again through a link
-                    dirs[:] = []
-                    continue
-                seen.add((st.st_dev, st.st_ino))
-                dirs.sort()  # the first path to a folder reached twice names it, always the same
-                files += [Path(top, n) for n in names if _is_file_entry(Path(top, n))]
+            files = _walk(p, unreadable)
         found += sorted(f for f in files if f.suffix.lower() in IMAGE_SUFFIXES)
         if skipped is not None:
             skipped.update(
@@ -262,6 +272,35 @@ def list_images(
                 if f.suffix.lower() not in IMAGE_SUFFIXES and not f.name.startswith(".")
             )
     return found
+
+
+def _walk(top: Path, unreadable: list[tuple[Path, str]] | None) -> list[Path]:
+    """The files under ``top`` (list_images with ``recursive``)."""
+
+    def failed(e: OSError) -> None:
+        where = Path(e.filename) if e.filename is not None else top
+        if unreadable is None or where == top:
+            raise UnreadableFolder(f"cannot read the folder {where}: {os_reason(e)}") from None
+        unreadable.append((where, os_reason(e)))
+
+    files: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+    for folder, dirs, names in os.walk(top, onerror=failed, followlinks=True):
+        st = os.stat(folder)
+        if (st.st_dev, st.st_ino) in seen:  # reached again through a link
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs.sort()  # the first path to a folder reached twice names it, always the same
+        files += [Path(folder, n) for n in names if _is_file_entry(Path(folder, n))]
+    return files
+
+
+def os_reason(e: OSError) -> str:
+    """Why the file system said no, in the words a user expects ("permission denied")."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return (e.strerror or str(e)).lower()
 
 
 def _is_file_entry(f: Path) -> bool:
@@ -304,5 +343,3 @@ def load_image(path: str, input_size: int, index: int = 0, normalised: bool = Tr
 def _strip_path(message: str, path: str) -> str:
     """'photos/a.jpg: not an image file' -> 'not an image file' (the path is its own field)."""
     return message[len(path) + 2 :] if message.startswith(path + ": ") else message
-
-    # million photos would hold a million ints here for the whole run
