@@ -93,7 +93,7 @@ def end_to_end(
             workers,
             lanes=lanes,
             jpeg_on_device=jpeg_on_device,
-            beam_size=beam_size,
+            decoding=captioner.check_decoding(beam_size=beam_size),
         ):
             if rec.result is None:
                 raise SystemExit(f"{rec.path}: {rec.error}")
@@ -200,7 +200,7 @@ def profile_run(
             workers,
             lanes=1,
             jpeg_on_device=jpeg_on_device,
-            beam_size=beam_size,
+            decoding=captioner.check_decoding(beam_size=beam_size),
         ):
             write(rec)
     wall = time.perf_counter() - t0

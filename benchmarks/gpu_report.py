@@ -89,9 +89,10 @@ def agreement(paths: list[str], device: str, limit: int) -> dict[str, Any]:
     if device.startswith("cuda"):  # the pipeline with JPEGs decoded by nvJPEG, greedy
         from showattendtell.captioning.pipeline import caption_files
 
+        greedy = dev.check_decoding(beam_size=1)
         runs = [
             [r.result.caption if r.result else r.error
-             for r in caption_files(dev, photos, 32, 4, jpeg_on_device=flag, beam_size=1)]
+             for r in caption_files(dev, photos, 32, 4, jpeg_on_device=flag, decoding=greedy)]
             for flag in (False, True)
         ]  # fmt: skip
         out["same_greedy_decode_on_gpu"] = sum(a == b for a, b in zip(*runs, strict=True))

@@ -34,7 +34,13 @@ class Captioned:
     attention_type: str
     decoding: DecodingConfig
     settings: dict[str, Any]  # the options that apply to this model (options.reported)
-    consensus: list[float] | None = None
+
+    @property
+    def consensus(self) -> list[float] | None:
+        """Each beam's consensus score (4 decimals) when reranked by it, else None: carried on
+        the result from the reranking itself (``CaptionResult.consensus``)."""
+        c = self.result.consensus
+        return None if c is None else [round(x, 4) for x in c]
 
     @property
     def ranked_by(self) -> str:
@@ -44,10 +50,11 @@ class Captioned:
         """The beams in the order that chose the caption (the first is the caption), each with
         its score and, when reranked, its consensus score."""
         rows = []
+        consensus = self.consensus
         for i, (caption, score) in enumerate(self.result.beams):
             row: dict[str, Any] = {"caption": caption, "score": finite_or_none(score, 4)}
-            if self.consensus is not None:
-                row["consensus"] = self.consensus[i]
+            if consensus is not None:
+                row["consensus"] = consensus[i]
             rows.append(row)
         return rows
 
@@ -86,15 +93,14 @@ def caption_image(
     config = service.decoding(captioner.name, **decoding)  # so does an option out of range
     with service.cache.using(upload_path(image)):
         img = read_upload(image, service.max_upload_bytes, captioner.input_size, service.cache)
-    served = service.caption_ranked(img, captioner.name, config)
+    result = service.caption(img, captioner.name, config)
     return Captioned(
         img,
-        served.result,
+        result,
         captioner.name,
         captioner.attention_type,
         config,
         options.reported(captioner, config),
-        served.consensus,
     )
 
 

@@ -7,7 +7,7 @@ import queue
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,8 @@ from showattendtell.captioning.catalog import bundled_models, default_model_path
 from showattendtell.errors import UserError
 from showattendtell.images.files import image_warning, preprocess
 from showattendtell.search import familiarity
-from showattendtell.search.consensus import ConsensusIndex
 from showattendtell.search.decoding import DECODING_OPTIONS, DecodingConfig
+from showattendtell.search.options import check_overrides
 
 from .cache import CacheBound
 
@@ -29,15 +29,6 @@ log = logging.getLogger(__name__)
 
 class ServiceError(UserError):
     """A request the service cannot answer (no image, an unknown model)."""
-
-
-@dataclass
-class Served:
-    """A caption as the service answers it: the result, and when the beam's captions were
-    reranked by consensus, each beam's consensus score (the score that decided their order)."""
-
-    result: CaptionResult
-    consensus: list[float] | None = None
 
 
 @dataclass
@@ -50,7 +41,7 @@ class _Job:
     @property
     def key(self) -> tuple:
         """Jobs with equal keys are decoded together: same model and every decoding value."""
-        return (self.captioner.name, astuple(self.decoding))
+        return (self.captioner.name, self.decoding)
 
 
 class CaptionService:
@@ -110,28 +101,25 @@ class CaptionService:
         }
         return config.with_overrides(**fixed)
 
-    def caption(self, *args: Any, **kwargs: Any) -> CaptionResult:
-        """:meth:`caption_ranked`'s caption alone (the same arguments)."""
-        return self.caption_ranked(*args, **kwargs).result
-
-    def caption_ranked(
+    def caption(
         self,
         image: Image.Image,
         model: str | None = None,
         decoding: DecodingConfig | None = None,
         timeout: float = 300.0,
-    ) -> Served:
+    ) -> CaptionResult:
         """Caption one decoded RGB image (batched with concurrent requests); ``decoding``
-        None: the model's defaults. The result's warning flags a degenerate photo; with the
-        beams' consensus scores when they were reranked."""
+        (resolved: :meth:`decoding`) None: the model's defaults. The result's warning flags a
+        degenerate photo; its ``consensus`` holds the beams' consensus scores when they were
+        reranked by them."""
         captioner = self.get(model)
         job = _Job(
             captioner, preprocess(image, captioner.input_size), decoding or captioner.decoding
         )
         self._queue.put(job)
-        served = job.future.result(timeout=timeout)
-        served.result.add_warning(image_warning(image))
-        return served
+        result = job.future.result(timeout=timeout)
+        result.add_warning(image_warning(image))
+        return result
 
     def close(self) -> None:
         self.cache.stop()
@@ -164,35 +152,16 @@ class CaptionService:
         self.batch_sizes.append(len(group))
         first = group[0]
         try:
-            served = caption_group(
-                first.captioner, torch.stack([j.tensor for j in group]), first.decoding
+            results = first.captioner.caption_batch(
+                torch.stack([j.tensor for j in group]), first.decoding
             )
         except Exception as e:  # keep serving; every waiting request gets the error
             log.exception("captioning failed")
             for job in group:
                 job.future.set_exception(e)
             return
-        for job, one in zip(group, served, strict=True):
+        for job, one in zip(group, results, strict=True):
             job.future.set_result(one)
-
-
-def caption_group(
-    captioner: Captioner, batch: torch.Tensor, decoding: DecodingConfig
-) -> list[Served]:
-    """Caption a batch of preprocessed images with one model and one decoding; with consensus
-    reranking, also each beam's consensus score, computed as the reranking computed it (the same
-    index, pooled grids and captions), so the UI can show the number that chose the caption."""
-    annotations = captioner.encode(batch)
-    results = captioner.caption_annotations(annotations, **decoding.to_dict())
-    index = captioner.model.consensus
-    if decoding.rerank != "consensus" or decoding.beam_size == 1 or index is None:
-        return [Served(r) for r in results]
-    scores = index.rerank(
-        ConsensusIndex.pool(annotations), [[c for c, _ in r.beams] for r in results]
-    )
-    return [
-        Served(r, [round(float(x), 4) for x in s]) for r, s in zip(results, scores, strict=True)
-    ]
 
 
 def model_paths(specs: Sequence[str | Path] | None) -> list[list[Path]]:
@@ -219,7 +188,8 @@ def load_service(
     defaults of every model; checked before any model loads.
     """
     overrides = dict(decoding or {})
-    DecodingConfig().with_overrides(**overrides)  # a bad value fails before the slow part
+    check_overrides(**overrides)  # a bad value fails before the slow part; each model's
+    # defaults are then its stored settings with these, resolved once below
     captioners: dict[str, Captioner] = {}
     for paths in model_paths(specs):
         captioner = load_model(paths, device, precision)

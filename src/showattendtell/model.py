@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -38,25 +40,26 @@ class CaptionModel(nn.Module):
         self, annotations: torch.Tensor, decoding: DecodingConfig
     ) -> list[list[Hypothesis]]:
         """Captions for a batch of annotation grids (B, L, D), as ``decoding`` says: each
-        image's hypotheses, best first (by the consensus with rerank "consensus", else by
-        their scores)."""
+        image's hypotheses, best first (by the consensus when ``decoding`` reranks by it, each
+        hypothesis then carrying its consensus score; else by their scores)."""
         self.check_decoding(decoding)
         hypotheses = generate(self.decoder, annotations, decoding, self.search_strategy)
-        if decoding.rerank == "consensus" and decoding.beam_size > 1:  # greedy: nothing to pick
+        if decoding.reranks_by_consensus:
             hypotheses = self._rerank(annotations, hypotheses)
         return hypotheses
 
     def _rerank(
         self, annotations: torch.Tensor, hypotheses: list[list[Hypothesis]]
     ) -> list[list[Hypothesis]]:
-        """Each image's hypotheses by their consensus score, highest first (consensus.py);
-        the sort is stable, so ties keep the beam's order."""
+        """Each image's hypotheses by their consensus score, highest first (consensus.py), each
+        with its score on it; the sort is stable, so ties keep the beam's order."""
         captions = [[" ".join(self.words(h)) for h in hyps] for hyps in hypotheses]
         scores = self.consensus.rerank(ConsensusIndex.pool(annotations), captions)
-        return [
-            [hyps[i] for i in sorted(range(len(hyps)), key=lambda i: -s[i])]
-            for hyps, s in zip(hypotheses, scores, strict=True)
-        ]
+        ranked = []
+        for hyps, s in zip(hypotheses, scores, strict=True):
+            scored = [replace(h, consensus=float(x)) for h, x in zip(hyps, s, strict=True)]
+            ranked.append(sorted(scored, key=lambda h: -h.consensus))
+        return ranked
 
     def check_decoding(self, decoding: DecodingConfig) -> None:
         """Raise DecodingError for options this model cannot decode with."""

@@ -398,6 +398,7 @@ DECODING = {  # the tests' tiny model at --beam-size 1: its stored settings for 
     "max_length": 8,
     "length_penalty": 0.0,
     "no_repeat_ngram": 0,
+    "min_length": 0,
     "precision": "32",
     "decode_on": "cpu",
 }
@@ -581,3 +582,4 @@ def test_resume_continues_a_csv_written_before_the_sha256_column(
     new = list(csv.reader(data[len(old) :].decode().splitlines()))
     assert data.startswith(old) and len(new) == len(images) - 1
     assert {len(r) for r in new} == {9} and {r[7] for r in new} == {"tiny"}
+

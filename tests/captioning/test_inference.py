@@ -48,7 +48,7 @@ def test_caption_batch_equals_caption_and_caption_images(tiny_model_file):
     rng = np.random.default_rng(5)
     images = [make_example(rng)[0] for _ in range(3)]
     batch = torch.stack([preprocess(im, captioner.input_size) for im in images])
-    a = [r.caption for r in captioner.caption_batch(batch, beam_size=2)]
+    a = [r.caption for r in captioner.caption_batch(batch, captioner.check_decoding(beam_size=2))]
     b = [r.caption for r in captioner.caption(images, beam_size=2)]
     c = [r.caption for r in caption_images(captioner, images, beam_size=2)]
     assert a == b == c
@@ -163,13 +163,15 @@ def test_made_by_names_the_model_and_the_decoding_options_that_apply(
     """What `sat caption` writes into each record: the stored settings with the overrides,
     only those that change this model's captions, and the precision."""
     stored = {"beam_size": 3, "max_length": 8, "length_penalty": 0.0, "no_repeat_ngram": 0}
+    stored["min_length"] = 0
     stored["precision"] = "32"
     soft = load_model(tiny_model_file, "cpu")
     digest = hashlib.sha256(tiny_model_file.read_bytes()).hexdigest()
     assert soft.made_by() == {"model": "tiny", "model_sha256": digest, "decoding": stored}
-    assert soft.made_by(beam_size=1, hard_mode="sample")["decoding"] == {**stored, "beam_size": 1}
+    given = soft.check_decoding(beam_size=1, hard_mode="sample")
+    assert soft.made_by(given)["decoding"] == {**stored, "beam_size": 1}
     hard = load_model(tiny_hard_model_file, "cpu", "bf16")
-    assert hard.made_by(hard_mode="sample") == {
+    assert hard.made_by(hard.check_decoding(hard_mode="sample")) == {
         "model": "tiny_hard",
         "model_sha256": hashlib.sha256(tiny_hard_model_file.read_bytes()).hexdigest(),
         "decoding": {**stored, "hard_mode": "sample", "precision": "bf16"},

@@ -272,5 +272,5 @@ def test_prepare_builds_the_calibration_and_the_consensus_tables(tmp_path):
     a, b = cold.caption([str(photo)])[0], warm.caption([str(photo)])[0]
     assert (a.caption, a.score, a.familiarity) == (b.caption, b.score, b.familiarity)
     greedy = load_model(None, "cpu")
-    greedy.prepare(beam_size=1)  # no reranking: no tables
+    greedy.prepare(greedy.check_decoding(beam_size=1))  # no reranking: no tables
     assert greedy.model.consensus._tables is None

@@ -111,7 +111,16 @@ def test_captions_of_the_pipeline_are_the_cpu_paths(tmp_path):
     paths = [str(EXAMPLES[0]), str(tmp_path / "gull.png"), *map(str, EXAMPLES[1:])]
     captioner = load_model(None, "cpu")
     run = {
-        flag: list(caption_files(captioner, paths, 3, 1, jpeg_on_device=flag, beam_size=1))
+        flag: list(
+            caption_files(
+                captioner,
+                paths,
+                3,
+                1,
+                jpeg_on_device=flag,
+                decoding=captioner.check_decoding(beam_size=1),
+            )
+        )
         for flag in (False, True)
     }
     assert [r.path for r in run[True]] == [r.path for r in run[False]] == paths

@@ -17,6 +17,11 @@ from showattendtell.images.pipeline import default_workers, encode_files, in_lan
 from showattendtell.progress import Progress
 
 
+def greedy(captioner):
+    """The model's stored decoding with beam 1, resolved as an entry point resolves it."""
+    return captioner.check_decoding(beam_size=1)
+
+
 def write_inputs(tmp_path, n: int = 5) -> list[str]:
     paths = write_photos(tmp_path, n)
     (tmp_path / "bad.jpg").write_text("not an image")
@@ -29,7 +34,14 @@ def test_caption_files_keeps_every_input_in_order(tiny_model_file, tmp_path):
     captioner = load_model(tiny_model_file, "cpu")
     with Progress(len(paths), "captions", enabled=False) as progress:
         records = list(
-            caption_files(captioner, paths, batch_size=2, workers=0, progress=progress, beam_size=1)
+            caption_files(
+                captioner,
+                paths,
+                batch_size=2,
+                workers=0,
+                progress=progress,
+                decoding=greedy(captioner),
+            )
         )
     assert [r.path for r in records] == paths and progress.done == len(paths)
     assert records[2].result is None and "not an image" in records[2].error
@@ -58,9 +70,8 @@ def test_caption_files_decodes_in_this_process_by_default_on_a_cpu(
         pipeline, "load_batches", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw)
     )
     paths = write_photos(tmp_path, 3)
-    records = list(
-        caption_files(load_model(tiny_model_file, "cpu"), paths, batch_size=2, beam_size=1)
-    )
+    captioner = load_model(tiny_model_file, "cpu")
+    records = list(caption_files(captioner, paths, batch_size=2, decoding=greedy(captioner)))
     assert seen == [default_workers("cpu")] and [r.path for r in records] == paths
 
 
@@ -83,7 +94,7 @@ def test_the_model_warms_up_while_the_decoding_processes_start(
     paths = write_inputs(tmp_path)
     captioner = load_model(tiny_model_file, "cpu")
     plain = [r.result and r.result.caption for r in
-             caption_files(captioner, paths, batch_size=2, workers=1, beam_size=1)]  # fmt: skip
+             caption_files(captioner, paths, 2, 1, decoding=greedy(captioner))]  # fmt: skip
     events = []
     real_load, real_encode = pipeline.load_batches, captioner.encode
 
@@ -107,13 +118,13 @@ def test_the_model_warms_up_while_the_decoding_processes_start(
     monkeypatch.setattr(captioner, "encode", encode)
     monkeypatch.setattr(pipeline, "WARM_UP_DEVICES", {"cpu"})
     warm = [r.result and r.result.caption for r in
-            caption_files(captioner, paths, batch_size=2, workers=1, beam_size=1)]  # fmt: skip
+            caption_files(captioner, paths, 2, 1, decoding=greedy(captioner))]  # fmt: skip
     assert warm == plain
     s = captioner.input_size
     assert events[:3] == ["processes started", ("encode", (2, 3, s, s), True), "batch"]
     assert not any(e[2] for e in events[3:] if isinstance(e, tuple))  # photos from then on
     events.clear()
-    list(caption_files(captioner, paths, batch_size=2, workers=0, beam_size=1))
+    list(caption_files(captioner, paths, batch_size=2, workers=0, decoding=greedy(captioner)))
     assert not any(e[2] for e in events if isinstance(e, tuple))  # no processes to wait for
 
 
@@ -197,7 +208,12 @@ def test_caption_files_gives_the_same_records_in_one_or_two_lanes(tiny_model_fil
         [
             (r.path, r.error, r.result and r.result.caption)
             for r in caption_files(
-                captioner, paths, batch_size=2, workers=0, lanes=lanes, beam_size=3
+                captioner,
+                paths,
+                batch_size=2,
+                workers=0,
+                lanes=lanes,
+                decoding=captioner.check_decoding(beam_size=3),
             )
         ]
         for lanes in (1, 2)
@@ -282,6 +298,8 @@ def test_one_batch_is_decoded_here_without_starting_worker_processes(
     captioner = load_model(tiny_model_file, "cpu")
     paths = write_photos(tmp_path, 3)
     for batch_size in (3, 2):
-        records = list(caption_files(captioner, paths, batch_size, workers=2, beam_size=1))
+        records = list(
+            caption_files(captioner, paths, batch_size, workers=2, decoding=greedy(captioner))
+        )
         assert [r.path for r in records] == paths
     assert seen == [0, 2]

@@ -140,8 +140,8 @@ def test_searches_with_the_kernels_give_the_same_captions(fused, monkeypatch, st
                 plain(m)
             runs.append(
                 (
-                    greedy_decode(dec, a, 8, strategy=strategy),
-                    beam_search(dec, a, 3, 8, strategy=strategy),
+                    greedy_decode(dec, a, max_length=8, strategy=strategy),
+                    beam_search(dec, a, beam_size=3, max_length=8, strategy=strategy),
                 )
             )
     for fast, slow in zip(*runs, strict=True):

@@ -42,10 +42,12 @@ def reference_greedy_decode(
     hard_mode: str = "argmax",
     allow_unk: bool = False,
     no_repeat_ngram: int = 0,
+    min_length: int = 0,
 ) -> list[list[Hypothesis]]:
     """The most likely word at each step, for a batch of images (B, L, D).
 
-    no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption.
+    no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption. min_length: no
+    <end> before that many words.
     """
     B, L, _ = annotations.shape
     dev = annotations.device
@@ -65,6 +67,9 @@ def reference_greedy_decode(
             one_cell = s is not None
         logp = logp.masked_fill(banned, float("-inf"))
         logp = _block_repeats(logp, [tokens[b] for b in active.tolist()], no_repeat_ngram)
+        if t < min_length:  # too short to end
+            logp = logp.clone()
+            logp[:, END] = float("-inf")
         if t == max_length:  # no room for another word: only <end> may follow
             logp = logp.masked_fill(not_end, float("-inf"))
         best, words = logp.max(1)  # (N,), (N,)
@@ -107,13 +112,15 @@ def reference_beam_search(
     hard_mode: str = "argmax",
     allow_unk: bool = False,
     no_repeat_ngram: int = 0,
+    min_length: int = 0,
 ) -> list[list[Hypothesis]]:
     """Beam search for a batch of images (B, L, D), all B*K beams stepped together.
 
     A beam that emits <end> among the top K candidates of its image is finished; an image is done
     when it has K finished captions (or at max_length). Hypotheses are ranked by
     log_prob / len**length_penalty, len counting <end>. no_repeat_ngram > 0: no n-gram of that
-    size occurs twice in a caption. Returns the K best per image.
+    size occurs twice in a caption; min_length: no <end> before that many words. Returns the K
+    best per image.
     """
     B, L, _ = annotations.shape
     K, dev = beam_size, annotations.device
@@ -142,6 +149,8 @@ def reference_beam_search(
             one_cell = s is not None
         logp = logp.masked_fill(banned, float("-inf"))
         logp = _block_repeats(logp, hist_tokens.tolist(), no_repeat_ngram)
+        if t < min_length:  # too short to end
+            logp[:, END] = float("-inf")
         if t == max_length:  # no room for another word: only <end> may follow
             logp[:, torch.arange(V, device=dev) != END] = float("-inf")
         cand = (scores.view(B * K, 1) + logp).view(B, K * V)

@@ -46,24 +46,38 @@ STRATEGIES = ["shrink", "fixed", "graph"]  # decoding._strategy (graph: padded, 
 @pytest.mark.parametrize(
     "attention,hard_mode", [("soft", "argmax"), ("hard", "argmax"), ("hard", "expectation")]
 )
-@pytest.mark.parametrize("options", [{}, {"no_repeat_ngram": 2}, {"allow_unk": True}])
+@pytest.mark.parametrize(
+    "options", [{}, {"no_repeat_ngram": 2}, {"allow_unk": True}, {"min_length": 4}]
+)
 @pytest.mark.parametrize("end_shift", [0.0, -1.0, -1.5])
 def test_greedy_gives_what_the_plain_implementation_gives(
     attention, hard_mode, options, end_shift, attend, strategy
 ):
     dec, a = later_end_decoder(attention, end_shift, attend), feats(B=7)
     for max_length in (1, 5, 12):
+        opts = within(options, max_length)
         assert_same_hypotheses(
-            greedy_decode(dec, a, max_length, hard_mode, strategy=strategy, **options),
-            reference_greedy_decode(dec, a, max_length, hard_mode, **options),
+            greedy_decode(
+                dec, a, max_length=max_length, hard_mode=hard_mode, strategy=strategy, **opts
+            ),
+            reference_greedy_decode(dec, a, max_length, hard_mode, **opts),
         )
+
+
+def within(options: dict, max_length: int) -> dict:
+    """``options`` with a minimum length of at most ``max_length`` (DecodingConfig refuses
+    more)."""
+    if "min_length" not in options:
+        return options
+    return {**options, "min_length": min(options["min_length"], max_length)}
 
 
 @pytest.mark.parametrize(
     "attention,hard_mode", [("soft", "argmax"), ("hard", "argmax"), ("hard", "expectation")]
 )
 @pytest.mark.parametrize(
-    "options", [{}, {"no_repeat_ngram": 2}, {"length_penalty": 1.0}, {"allow_unk": True}]
+    "options",
+    [{}, {"no_repeat_ngram": 2}, {"length_penalty": 1.0}, {"allow_unk": True}, {"min_length": 6}],
 )
 @pytest.mark.parametrize("end_shift", [0.0, -1.0, -1.5])
 @pytest.mark.parametrize("attend", ["before", "after"])
@@ -75,11 +89,18 @@ def test_beam_search_gives_what_the_plain_implementation_gives(
     beams share their image's grid: none of it may change a hypothesis."""
     dec, a = later_end_decoder(attention, end_shift, attend), feats(B=7)
     for beam_size, max_length in ((1, 8), (2, 1), (3, 12), (5, 10)):
+        opts = within(options, max_length)
         assert_same_hypotheses(
             beam_search(
-                dec, a, beam_size, max_length, hard_mode=hard_mode, strategy=strategy, **options
+                dec,
+                a,
+                beam_size=beam_size,
+                max_length=max_length,
+                hard_mode=hard_mode,
+                strategy=strategy,
+                **opts,
             ),
-            reference_beam_search(dec, a, beam_size, max_length, hard_mode=hard_mode, **options),
+            reference_beam_search(dec, a, beam_size, max_length, hard_mode=hard_mode, **opts),
         )
 
 
@@ -90,8 +111,8 @@ def test_a_beam_wider_than_half_the_vocabulary(strategy):
     dec, a = later_end_decoder(), feats(B=2)
     for options in ({}, {"no_repeat_ngram": 2}):
         assert_same_hypotheses(
-            beam_search(dec, a, 20, 2, strategy=strategy, **options),
-            reference_beam_search(dec, a, 20, 2, **options),
+            beam_search(dec, a, beam_size=20, max_length=2, strategy=strategy, **options),
+            reference_beam_search(dec, a, beam_size=20, max_length=2, **options),
         )
 
 
@@ -108,8 +129,14 @@ def test_search_under_bf16_autocast_gives_the_plain_implementation_captions(stra
     dec, a = later_end_decoder(), feats(B=5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for fast, slow in (
-            (greedy_decode(dec, a, 8, strategy=strategy), reference_greedy_decode(dec, a, 8)),
-            (beam_search(dec, a, 3, 8, strategy=strategy), reference_beam_search(dec, a, 3, 8)),
+            (
+                greedy_decode(dec, a, max_length=8, strategy=strategy),
+                reference_greedy_decode(dec, a, 8),
+            ),
+            (
+                beam_search(dec, a, beam_size=3, max_length=8, strategy=strategy),
+                reference_beam_search(dec, a, 3, 8),
+            ),
         ):
             assert [[h.tokens for h in x] for x in fast] == [[h.tokens for h in x] for x in slow]
             assert all(h.alphas.shape == (len(h.tokens), 9) for x in fast for h in x)
@@ -149,10 +176,12 @@ def test_beam_returns_one_attention_map_per_emitted_word():
 
 def test_unk_is_never_emitted_by_default():
     dec, a = trained_like_decoder(), feats()
-    for hyps in beam_search(dec, a, beam_size=3, max_length=8) + greedy_decode(dec, a, 8):
+    for hyps in beam_search(dec, a, beam_size=3, max_length=8) + greedy_decode(
+        dec, a, max_length=8
+    ):
         for h in hyps:
             assert UNK not in h.tokens
-    allowed = greedy_decode(dec, a, 8, allow_unk=True)
+    allowed = greedy_decode(dec, a, max_length=8, allow_unk=True)
     assert any(UNK in h[0].tokens for h in allowed)  # the bias above makes it likely
 
 
@@ -183,7 +212,7 @@ def test_hard_attention_decoding_reports_chosen_locations():
             assert h.locations is not None and len(h.locations) == len(h.tokens)
             if mode == "argmax":
                 assert h.locations == h.alphas.argmax(1).tolist()
-    expect = greedy_decode(dec, a, 6, hard_mode="expectation")
+    expect = greedy_decode(dec, a, max_length=6, hard_mode="expectation")
     assert all(h[0].locations is None for h in expect)
 
 
@@ -197,12 +226,12 @@ def test_no_repeat_ngram_blocks_every_repeated_ngram():
     with torch.no_grad():  # a favourite word and a late <end>: captions repeat themselves
         dec.out_vocab.bias[END] -= 6.0
         dec.out_vocab.bias[7] += 3.0
-    free = beam_search(dec, a, beam_size=3, max_length=12) + greedy_decode(dec, a, 12)
+    free = beam_search(dec, a, beam_size=3, max_length=12) + greedy_decode(dec, a, max_length=12)
     assert any(repeated_ngrams(h.tokens, 2) for hyps in free for h in hyps)
     for n in (1, 2, 3):
         blocked = beam_search(
             dec, a, beam_size=3, max_length=12, no_repeat_ngram=n
-        ) + greedy_decode(dec, a, 12, no_repeat_ngram=n)
+        ) + greedy_decode(dec, a, max_length=12, no_repeat_ngram=n)
         for hyps in blocked:
             for h in hyps:
                 assert repeated_ngrams(h.tokens, n) == 0, (n, h.tokens)
@@ -224,6 +253,9 @@ BAD_OPTIONS = [
     {"length_penalty": -1},
     {"hard_mode": "maximum"},
     {"no_repeat_ngram": -1},
+    {"min_length": -1},
+    {"min_length": 101},
+    {"min_length": 2.5},
     {"beam": 3},
 ]
 
@@ -274,14 +306,15 @@ def test_a_model_file_with_bad_stored_decoding_is_refused(tiny_model_file, tmp_p
 
 
 def fixed_loops(dec, a, ngram=2):
-    """The fixed-shape search's step loops (greedy and beam 3) from a started state."""
-    from showattendtell.search.decoding import _beam_fixed_steps, _greedy_fixed_loop
+    """The fixed-shape search's step loops (greedy and beam 3) from a started state, with every
+    mask: banned words, n-grams, a minimum and a maximum length."""
+    from showattendtell.search.decoding import DecodingConfig, _beam_fixed_steps, _greedy_fixed_loop
 
-    for loop, args in (
-        (_greedy_fixed_loop, (8, "argmax", False, ngram)),
-        (_beam_fixed_steps, (3, 8, "argmax", False, ngram)),
-    ):
-        yield loop, (dec, dec.start(a, word_gates=True), a, *args)
+    for loop, beam_size in ((_greedy_fixed_loop, 1), (_beam_fixed_steps, 3)):
+        config = DecodingConfig(
+            beam_size=beam_size, max_length=8, no_repeat_ngram=ngram, min_length=3
+        )
+        yield loop, (dec, dec.start(a, word_gates=True), a, config, False)
 
 
 @pytest.mark.parametrize("attention", ["soft", "hard"])
@@ -300,7 +333,7 @@ def test_fixed_search_steps_never_wait_for_the_device(monkeypatch, attention):
             for loop, args in fixed_loops(dec, a):
                 loop(*args)
     assert calls == []
-    greedy_decode(later_end_decoder(attention), a, 8, strategy="shrink")  # counted there
+    greedy_decode(later_end_decoder(attention), a, max_length=8, strategy="shrink")  # counted there
     assert calls
 
 
@@ -337,3 +370,72 @@ def test_both_strategies_give_an_ensembles_captions(beam_size):
         assert_same_hypotheses(
             generate(dec, a, config, strategy="fixed"), generate(dec, a, config, strategy="shrink")
         )
+
+
+# -- min_length: a mask-type option, from the table down to both search loops --
+
+
+def early_end_decoder(attention="soft"):
+    """A decoder whose captions end after a word or two: a minimum length has work to do."""
+    dec = trained_like_decoder(attention)
+    with torch.no_grad():
+        dec.out_vocab.bias[END] += 4.0
+    return dec
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_min_length_holds_in_greedy_and_beam_search(strategy, attention):
+    dec, a = early_end_decoder(attention), feats(B=6)
+    free = greedy_decode(dec, a, max_length=12, strategy=strategy) + beam_search(
+        dec, a, beam_size=3, max_length=12, strategy=strategy
+    )
+    assert min(len(h.tokens) for hyps in free for h in hyps) < 5  # short without it
+    for search, options in ((greedy_decode, {}), (beam_search, {"beam_size": 3})):
+        for hyps in search(dec, a, max_length=12, min_length=5, strategy=strategy, **options):
+            assert hyps and all(5 <= len(h.tokens) <= 12 for h in hyps), hyps
+    # a minimum equal to the maximum: exactly that many words, <end> then forced
+    for hyps in beam_search(dec, a, beam_size=2, max_length=4, min_length=4, strategy=strategy):
+        assert all(len(h.tokens) == 4 for h in hyps)
+
+
+def test_min_length_above_max_length_is_one_line_naming_both():
+    from showattendtell.search.decoding import DecodingConfig, DecodingError
+
+    with pytest.raises(DecodingError) as e:
+        DecodingConfig(max_length=8).with_overrides(min_length=9)
+    message = str(e.value)
+    assert "--min-length" in message and "--max-length" in message and "\n" not in message
+    assert DecodingConfig(max_length=8).with_overrides(min_length=8).min_length == 8
+
+
+def test_a_recorded_search_is_keyed_by_the_options_the_loops_read():
+    """Ranking options (length penalty, reranking) do not make another CUDA graph; every option
+    the step loops read (the minimum length among them) does."""
+    from showattendtell.search.decoding import DecodingConfig
+
+    base = DecodingConfig()
+    assert base.search_key() == base.with_overrides(length_penalty=1.0).search_key()
+    assert base.search_key() == base.with_overrides(rerank="consensus").search_key()
+    assert base.search_key() != base.with_overrides(min_length=2).search_key()
+    assert base.search_key() != base.with_overrides(no_repeat_ngram=2).search_key()
+
+
+def test_min_length_is_a_flag_of_sat_caption(tiny_model_file, tmp_path, capsys):
+    """`sat caption --help` lists --min-length, made from the option table, and the flag
+    reaches the search: every caption has at least that many words."""
+    from showattendtell.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["caption", "--help"])
+    assert "--min-length N" in capsys.readouterr().out
+    photos = write_photos(tmp_path, 3, seed=1)
+    args = ["caption", *map(str, photos), "--model", str(tiny_model_file), "--device", "cpu"]
+    for beam in ("1", "3"):
+        assert main([*args, "--beam-size", beam, "--min-length", "8"]) == 0
+        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(records) == 3 and all(len(r["words"]) == 8 for r in records)
+        assert all(r["decoding"]["min_length"] == 8 for r in records)
+    assert main([*args, "--min-length", "9"]) == 2  # the model stores max_length 8
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "--min-length" in err and "\n" not in err

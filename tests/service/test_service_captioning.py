@@ -95,6 +95,8 @@ def test_decoding_options_are_checked_never_defaulted(service: CaptionService):
         ({"no_repeat_ngram": "2"}, "no-repeat"),
         ({"rerank": "best"}, "reranking"),
         ({"rerank": "consensus"}, "consensus index"),
+        ({"min_length": -1}, "minimum length"),
+        ({"min_length": 9, "max_length": 8}, "more than the maximum length"),
     ]:  # it has none
         with pytest.raises(DecodingError, match=message):
             caption_image(service, str(photo(0)), hard, **kw)
@@ -135,6 +137,28 @@ def test_consensus_beams_are_ranked_by_the_score_that_decided(
         assert scores == sorted(scores, reverse=True)
     # greedy: one caption, nothing reranked
     assert api_caption(indexed_service, str(photo(0)), indexed, beam_size=1)["ranked_by"] == "score"
+
+
+def test_min_length_reaches_the_api(service: CaptionService):
+    soft, _ = service.names
+    d = api_caption(service, str(photo(0)), soft, beam_size=2, max_length=7, min_length=7)
+    assert len(d["words"]) == 7 and all(len(b["caption"].split()) == 7 for b in d["beams"])
+    assert d["decoding"]["min_length"] == 7
+
+
+def test_the_consensus_is_computed_once_a_request(indexed_service: CaptionService, monkeypatch):
+    """The beams' consensus scores the API shows are the reranking's own, carried on the
+    hypotheses: no second scoring to show them."""
+    from showattendtell.search.consensus import ConsensusIndex
+
+    calls = []
+    real = ConsensusIndex.rerank
+    monkeypatch.setattr(
+        ConsensusIndex, "rerank", lambda self, *a: calls.append(1) or real(self, *a)
+    )
+    indexed, _ = indexed_service.names
+    d = api_caption(indexed_service, str(photo(0)), indexed, beam_size=3)
+    assert d["ranked_by"] == "consensus" and "consensus" in d["beams"][0] and calls == [1]
 
 
 def test_familiarity_and_its_warning_reach_the_api(

@@ -81,6 +81,7 @@ def test_controls_come_from_the_option_table(service: CaptionService):
     assert set(DECODING_OPTIONS) <= labels  # the API's hidden inputs
     assert comps["beam-size"]["props"]["maximum"] == MAX_BEAM_SIZE  # decoding.py's limits
     assert comps["max-length"]["props"]["maximum"] == MAX_CAPTION_LENGTH
+    assert comps["min-length"]["props"]["maximum"] == MAX_CAPTION_LENGTH
     source = (Path(options.__file__).parent / "app.py").read_text()
     for name in DECODING_OPTIONS:
         assert name not in source and options.elem_id(DECODING_OPTIONS[name]) not in source

@@ -73,7 +73,7 @@ def attention_hit_rate(dec, vocab) -> float:
     feats, captions, cells, _ = make_dataset(200, seed=1)
     hits = total = 0
     for hyps, caption, word_cells in zip(
-        greedy_decode(dec, feats, 6), captions, cells, strict=True
+        greedy_decode(dec, feats, max_length=6), captions, cells, strict=True
     ):
         where = dict(zip(caption.split(), word_cells, strict=True))
         colours = caption.split()[0::2]

@@ -45,6 +45,8 @@ class CaptionResult:
     warning: str | None = None  # e.g. a 1x1 photo, an unfamiliar one or an unsure caption
     familiarity: float | None = None  # 0..1, how much the photo looks like the training photos
     # (familiarity.py); None for a model without a consensus index
+    consensus: list[float] | None = None  # each beam's consensus score, in ``beams``' order,
+    # when they were reranked by it (the number that chose the caption); else None
 
     def add_warning(self, text: str | None) -> None:
         """Add a warning beside any the result has (a photo can be both tiny and unfamiliar)."""
@@ -145,13 +147,13 @@ class Captioner:
             return self.model.consensus is not None
         return True
 
-    def made_by(self, **decoding) -> dict:
-        """What makes this model's captions with these decoding overrides: its name and the
-        decoding options that change its captions (``applies``), as used (the stored settings
-        with the overrides), with the precision (bf16 changes some captions). `sat caption`
-        writes it into every record, and ``--resume`` compares it with the file's, so that
-        one file never mixes two models' captions."""
-        cfg = self.check_decoding(**decoding)
+    def made_by(self, decoding: DecodingConfig | None = None) -> dict:
+        """What makes this model's captions with ``decoding`` (None: its stored settings): its
+        name and the decoding options that change its captions (``applies``), with the
+        precision (bf16 changes some captions). `sat caption` writes it into every record, and
+        ``--resume`` compares it with the file's, so that one file never mixes two models'
+        captions."""
+        cfg = decoding or self.decoding
         used = {k: v for k, v in cfg.to_dict().items() if self.applies(DECODING_OPTIONS[k])}
         made_by: dict = {"model": self.name}
         if self.sha256:
@@ -184,33 +186,37 @@ class Captioner:
     def preprocess(self, image: str | Path | bytes | Image.Image) -> torch.Tensor:
         return preprocess(open_image(image, min_size=self.input_size), self.input_size)
 
-    def check_decoding(self, **decoding) -> DecodingConfig:
-        """The stored decoding with these overrides; a DecodingError if one is out of range or
-        this model cannot decode with it (e.g. --rerank consensus without an index)."""
-        cfg = self.decoding.with_overrides(**decoding)
+    def check_decoding(self, **overrides) -> DecodingConfig:
+        """The stored decoding with these overrides (None: keep the stored one), resolved once
+        at an entry point and then passed down whole; a DecodingError if one is out of range
+        or this model cannot decode with it (e.g. --rerank consensus without an index)."""
+        cfg = self.decoding.with_overrides(**overrides)
         self.model.check_decoding(cfg)
         return cfg
 
-    def prepare(self, **decoding) -> None:
+    def prepare(self, decoding: DecodingConfig | None = None) -> None:
         """Start building now what the first caption would otherwise build, once per model: the
         familiarity calibration, here with all of torch's threads (the first caption's lane has
         only its share of them), and, when these decoding options rerank by consensus, the
         consensus tables, in a thread of their own (numpy, one core) while the calibration and
-        the first batch run; the first reranking waits for them if it comes sooner."""
+        the first batch run; the first reranking waits for them if it comes sooner.
+        ``decoding``: a resolved config (``check_decoding``), None: the stored settings."""
         index = self.model.consensus
         if index is None:
             return
-        cfg = self.check_decoding(**decoding)
-        if cfg.rerank == "consensus" and cfg.beam_size > 1:
+        if (decoding or self.decoding).reranks_by_consensus:
             threading.Thread(target=index.prepare, name="sat-consensus", daemon=True).start()
         familiarity.for_index(index).reference()
 
     @torch.inference_mode()
-    def caption_annotations(self, annotations: torch.Tensor, **decoding) -> list[CaptionResult]:
+    def caption_annotations(
+        self, annotations: torch.Tensor, decoding: DecodingConfig | None = None
+    ) -> list[CaptionResult]:
         """Annotation grids (B, L, D) -> their results, each with its familiarity if the model
         has an index, and then a warning when familiarity and the caption's mean log-probability
-        per word together say the caption is likely wrong (familiarity.py)."""
-        cfg = self.decoding.with_overrides(**decoding)
+        per word together say the caption is likely wrong (familiarity.py). ``decoding``: a
+        resolved config (``check_decoding``), None: the stored settings."""
+        cfg = decoding or self.decoding
         with self._autocast():
             hypotheses = self.model.generate(annotations, cfg)
         g = self.model.grid
@@ -243,29 +249,32 @@ class Captioner:
                     beams=[(" ".join(self.model.words(h)), h.score) for h in hyps],
                     warning=scorer.warning(fam, risk, lp) if scorer is not None else None,
                     familiarity=fam,
+                    consensus=[h.consensus for h in hyps] if best.consensus is not None else None,
                 )
             )
         return results
 
-    def caption_batch(self, images: torch.Tensor, **decoding) -> list[CaptionResult]:
+    def caption_batch(
+        self, images: torch.Tensor, decoding: DecodingConfig | None = None
+    ) -> list[CaptionResult]:
         """Preprocessed images (B, 3, S, S) -> their results: the encode-and-decode step of the
         image pipeline (pipeline.py), also run by the web service on its own batches."""
-        return self.caption_annotations(self.encode(images), **decoding)
+        return self.caption_annotations(self.encode(images), decoding)
 
-    def caption(self, images: list, **decoding) -> list[CaptionResult]:
+    def caption(self, images: list, **overrides) -> list[CaptionResult]:
         """Caption images (paths, bytes or PIL images) as one batch.
 
-        Keyword overrides: beam_size, max_length, length_penalty, hard_mode, no_repeat_ngram,
-        rerank.
+        Keyword overrides: any ``DecodingConfig`` field (beam_size, max_length, min_length,
+        length_penalty, hard_mode, no_repeat_ngram, rerank).
         """
-        self.check_decoding(**decoding)  # bad options fail before any work
+        decoding = self.check_decoding(**overrides)  # bad options fail before any work
         if isinstance(images, (str, Path, bytes, Image.Image)):  # one image, not its letters
             images = [images]
         if not images:
             return []
         decoded = [open_image(im, min_size=self.input_size) for im in images]
         batch = torch.stack([preprocess(im, self.input_size) for im in decoded])
-        results = self.caption_batch(batch, **decoding)
+        results = self.caption_batch(batch, decoding)
         for img, result in zip(decoded, results, strict=True):
             result.add_warning(image_warning(img))
         return results

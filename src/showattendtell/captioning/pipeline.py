@@ -12,14 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from showattendtell.captioning.captioner import Captioner, CaptionResult
 from showattendtell.images.pipeline import encode_files
 from showattendtell.progress import Progress
-from showattendtell.search.options import DEFAULT_BATCH_SIZE  # with sat caption --help, torch-free
+from showattendtell.search.options import DEFAULT_BATCH_SIZE, DecodingConfig
 
 
 @dataclass
@@ -39,19 +38,21 @@ def caption_files(
     progress: Progress | None = None,
     lanes: int | None = None,
     jpeg_on_device: bool = False,
-    **decoding: Any,
+    decoding: DecodingConfig | None = None,
 ) -> Iterator[Record]:
     """Caption image files; yields one Record per path, in input order, as batches finish.
 
     Encoding and decoding are batched (greedy for beam 1, batched beam search otherwise), with
     ``lanes`` batches in flight (``in_lanes``); image decoding overlaps with them (in
     ``workers`` processes, or in this process's main thread while the lanes compute).
-    Decoding options are checked first.
+    ``decoding``: resolved by the caller (``Captioner.check_decoding``), None: the model's
+    stored settings; checked against the model before any work.
     """
-    captioner.check_decoding(**decoding)
+    decoding = decoding or captioner.decoding
+    captioner.model.check_decoding(decoding)
 
     def caption(images: torch.Tensor) -> list[CaptionResult]:
-        return captioner.caption_annotations(captioner.encode(images), **decoding)
+        return captioner.caption_annotations(captioner.encode(images), decoding)
 
     for batch, results in encode_files(
         paths,

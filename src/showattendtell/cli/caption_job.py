@@ -48,6 +48,7 @@ from showattendtell.images.files import list_images
 from showattendtell.images.pipeline import default_workers
 from showattendtell.outputs import OutputLock, check_new_output, prepare_folder, printable_path
 from showattendtell.progress import Progress
+from showattendtell.search.options import DecodingConfig
 
 URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 
@@ -387,7 +388,8 @@ def _caption(
         raise UsageError(
             "--decode-on gpu needs a CUDA GPU (--device cuda); without one, leave it out"
         )
-    made_by = captioner.made_by(**decoding)
+    config = captioner.check_decoding(**decoding)  # the overrides, resolved once for the run
+    made_by = captioner.made_by(config)
     made_by["decoding"]["decode_on"] = args.decode_on  # nvJPEG's pixels change some captions
     if plan.made_by:  # --resume; checked only now: the model file holds the defaults
         try:
@@ -399,7 +401,7 @@ def _caption(
     if procs.rank == 0:
         warn_ignored_decoding(decoding, captioner)
 
-    captioner.prepare(**decoding)  # with all the threads, before the lanes share them
+    captioner.prepare(config)  # with all the threads, before the lanes share them
     resume_gc()  # paused by `sat caption` while torch and the model loaded (cli.main)
     stream = None
     if procs.rank == 0 and args.output:
@@ -409,7 +411,7 @@ def _caption(
     overlays = None
     if args.overlays and plan.sheets is not None:
         overlays = {p: Path(args.overlays) / name for p, name in plan.sheets.items()}
-    return _caption_loop(captioner, plan, args, decoding, writer, fresh, overlays, procs)
+    return _caption_loop(captioner, plan, args, config, writer, fresh, overlays, procs)
 
 
 def _nothing_to_do(plan: Plan, args: argparse.Namespace) -> int:
@@ -429,7 +431,7 @@ def _caption_loop(
     captioner: Captioner,
     plan: Plan,
     args: argparse.Namespace,
-    decoding: dict[str, Any],
+    decoding: DecodingConfig,
     writer: Writer,
     fresh: bool,
     overlays: dict[str, Path] | None,
@@ -490,7 +492,7 @@ def _my_records(
     captioner: Captioner,
     todo: list[str],
     args: argparse.Namespace,
-    decoding: dict[str, Any],
+    decoding: DecodingConfig,
     procs: Processes,
 ) -> tuple[list[range], Iterator[Record]]:
     """(every batch, as ranges of input positions; this process's records, captioned lazily):
@@ -509,7 +511,7 @@ def _my_records(
         None,
         args.lanes,
         jpeg_on_device=args.decode_on == "gpu",
-        **decoding,
+        decoding=decoding,
     )
     return batches, records
 

@@ -16,7 +16,7 @@ from showattendtell.errors import UsageError
 from showattendtell.search.options import (
     DECODING_OPTIONS,
     DEVICES,
-    DecodingConfig,
+    check_overrides,
     ignored_decoding,
     is_device_name,
 )
@@ -114,7 +114,7 @@ def decoding_overrides(args: argparse.Namespace) -> dict:
     """The decoding options given on the command line (None: the model's default), checked now,
     before a model is loaded: a DecodingError (exit status 2) names the bad one."""
     given = {k: getattr(args, k) for k in DECODING_OPTIONS}
-    DecodingConfig().with_overrides(**given)
+    check_overrides(**given)  # each on its own: the model's stored settings complete them
     return given
 
 

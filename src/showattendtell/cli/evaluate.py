@@ -43,6 +43,7 @@ from showattendtell.cli.evaluate_captions import (
 )
 from showattendtell.data.datasets import DATASETS, check_split_name, split_names
 from showattendtell.errors import sigterm_as_ctrl_c
+from showattendtell.search.options import DecodingConfig
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +136,14 @@ def run(args: argparse.Namespace) -> int:
             partial.hold()
         captioner = load_model(args.model, args.device, args.precision)
         warn_ignored_decoding(decoding, captioner)
+        config = captioner.check_decoding(**decoding)  # the overrides, resolved once
         if partial is None:  # the default name, from the model's: checked before captioning too
             from showattendtell.outputs import check_new_output
 
             output = Path(_default_output(captioner.name, args))
             check_new_output("--output", output, args.overwrite or _scored_again(output, args))
             partial = PartialCaptions(output)
-        partial.start(settings(args, captioner, decoding, instances is not None), args.resume)
+        partial.start(settings(args, config, instances is not None), args.resume)
     except BaseException:
         if partial is not None:
             partial.release()
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 args.num_workers,
                 on_record=partial.write,
                 keep_attention=instances is not None,
-                **decoding,
+                decoding=config,
             )
     except KeyboardInterrupt as e:
         return partial.interrupted(e, len(made.done) + partial.written, len(images), args)
@@ -444,13 +446,14 @@ def caption_split(
     num_workers: int | None = None,
     on_record=None,
     keep_attention: bool = False,
-    **decoding,
+    decoding: DecodingConfig | None = None,
 ) -> Captions:
     """Caption a split's images through the one pipeline (pipeline.caption_files).
 
     The undecodable images are reported and skipped (``Captions.failed``). ``on_record(Record)``,
     when given, receives each image's record as it is made, its ``path`` the image's id;
     ``keep_attention``: keep each caption's words and attention (``Captions.attention``).
+    ``decoding``: resolved (``Captioner.check_decoding``), None: the model's stored settings.
     """
     from showattendtell.captioning.pipeline import Record, caption_files
     from showattendtell.progress import Progress
@@ -460,7 +463,12 @@ def caption_split(
         return made
     with Progress(len(images), "captions") as progress:
         records = caption_files(
-            captioner, [im.path for im in images], batch_size, num_workers, progress, **decoding
+            captioner,
+            [im.path for im in images],
+            batch_size,
+            num_workers,
+            progress,
+            decoding=decoding,
         )
         for im, rec in zip(images, records, strict=True):
             if on_record is not None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from showattendtell.errors import Terminated, UsageError
+from showattendtell.search.options import DECODING_OPTIONS, DecodingConfig
 
 log = logging.getLogger("showattendtell.cli.evaluate")  # the messages of `sat evaluate`
 
@@ -256,7 +257,7 @@ class PartialCaptions:
         return f"run the same command with --resume to {verb.split()[0]}"
 
 
-def settings(args: argparse.Namespace, captioner, decoding: dict, attention: bool) -> dict:
+def settings(args: argparse.Namespace, decoding: DecodingConfig, attention: bool) -> dict:
     """What the captions depend on, so that --resume reuses only captions made the same way:
     the model files, the split, --precision and the decoding settings in effect; not
     --batch-size, --num-workers, --device or --limit. ``attention``: the records keep each
@@ -276,7 +277,7 @@ def settings(args: argparse.Namespace, captioner, decoding: dict, attention: boo
         "root": str(Path(args.root).resolve()),
         "split": args.split,
         "precision": args.precision,
-        "decoding": captioner.check_decoding(**decoding).to_dict(),
+        "decoding": decoding.to_dict(),
         "attention": attention,
     }
 
@@ -284,8 +285,8 @@ def settings(args: argparse.Namespace, captioner, decoding: dict, attention: boo
 def _difference(saved: dict, now: dict) -> str | None:
     """The first setting that differs between an interrupted run's captions and this run, as
     the option to give (None: the same)."""
-    from showattendtell.search.options import DECODING_OPTIONS
-
+    defaults = DecodingConfig().to_dict()  # an option newer than the saved captions: its
+    # default is what made them
     if saved.get("model") != now["model"]:
         old = "+".join(str(m.get("path")) for m in saved["model"] if isinstance(m, dict))
         new = "+".join(m["path"] for m in now["model"])
@@ -295,7 +296,7 @@ def _difference(saved: dict, now: dict) -> str | None:
             return f"--{key} {saved.get(key)} (this run: {now[key]})"
     old = saved.get("decoding") if isinstance(saved.get("decoding"), dict) else {}
     for name, value in now["decoding"].items():
-        if old.get(name) != value:
+        if old.get(name, defaults.get(name)) != value:
             flag = DECODING_OPTIONS[name].flag if name in DECODING_OPTIONS else name
             return f"{flag} {old.get(name)} (this run: {value})"
     if now["attention"] and not saved.get("attention"):

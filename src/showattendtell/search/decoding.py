@@ -1,6 +1,7 @@
 """Caption generation: greedy and batched beam search, and sampling for self-critical training;
 the decoding options (``DecodingConfig``, checked there for every entry point) are declared in
-settings.py, which imports no torch, and used from here.
+search/options.py, which imports no torch; the one resolved ``DecodingConfig`` is what the step
+loops read (``_Masks`` turns it into the words a step may not emit).
 
 Search talks to the model through two calls only: ``decoder.start(annotations) -> state`` and
 ``decoder.step(words, state, hard_mode) -> (log_probs, alpha, location, state)``, with
@@ -12,6 +13,7 @@ decoded from one cell per word, the chosen location) and the caption's log-proba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,8 @@ class Hypothesis:
     alphas: torch.Tensor  # (len(tokens), L): attention when each word was emitted (on the
     # grids' device; on the host with the fixed strategy, copied there once per batch)
     locations: list[int] | None  # hard attention: the location chosen for each word
+    consensus: float | None = None  # its consensus score when the beam was reranked by it
+    # (CaptionModel.generate, consensus.py): the number that decided its rank
 
 
 def banned_tokens(vocab_size: int, device, allow_unk: bool = False) -> torch.Tensor:
@@ -116,12 +120,12 @@ def _strategy(strategy: str, device: torch.device) -> str | None:
     return None if strategy == "shrink" else strategy
 
 
-def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *options):
+def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, options: tuple):
     """``fn(annotations)`` (a fixed-shape loop, start included) replayed as the decoder's CUDA
-    graph for this batch size and these options. The batch is padded (with empty grids, whose
-    rows are dropped after) up to the smallest recorded graph that holds it, or else to a power
-    of two, so that batches of any size share a few graphs. Returns ``fn``'s outputs for the
-    real rows.
+    graph for this batch size and these options (the config's ``search_key``). The batch is
+    padded (with empty grids, whose rows are dropped after) up to the smallest recorded graph
+    that holds it, or else to a power of two, so that batches of any size share a few graphs.
+    Returns ``fn``'s outputs for the real rows.
 
     Where there is no CUDA graph to record (a CPU: the tests) the padded batch goes through
     ``fn`` itself: the same padding, the same results."""
@@ -147,60 +151,70 @@ def _graphed(decoder: Decoder, name: str, fn, annotations: torch.Tensor, *option
 
 
 class _Masks:
-    """The words a step may not emit: banned tokens, repeated n-grams, and anything but <end>
-    at the last step. ``sync_free``: the n-gram ban without a host synchronisation."""
+    """The words a step may not emit, as ``config`` says: banned tokens, repeated n-grams,
+    <end> before the minimum length, and anything but <end> at the last step. A mask-type
+    decoding option is one line in ``__call__``. ``sync_free``: the n-gram ban without a host
+    synchronisation. Whether a mask applies depends on the step ``t`` (a Python int) only, so
+    the fixed-shape loops stay free of host synchronisations."""
 
-    def __init__(
-        self,
-        V: int,
-        device,
-        allow_unk: bool,
-        max_length: int,
-        no_repeat_ngram: int,
-        sync_free: bool,
-    ):
+    def __init__(self, V: int, device, config: DecodingConfig, allow_unk: bool, sync_free: bool):
+        self.config = config
         self.banned = banned_tokens(V, device, allow_unk)
-        self.not_end = torch.arange(V, device=device) != END
-        self.max_length, self.n = max_length, no_repeat_ngram
+        self.end = torch.arange(V, device=device) == END
         self.block = _ban_repeats if sync_free else _block_repeats
 
     def __call__(self, logp: torch.Tensor, t: int, histories: torch.Tensor) -> torch.Tensor:
-        logp = logp.masked_fill(self.banned, float("-inf"))
-        if self.n > 0:
-            logp = self.block(logp, histories, self.n)
-        if t == self.max_length:  # no room for another word: only <end> may follow
-            logp = logp.masked_fill(self.not_end, float("-inf"))
+        """``logp`` (N, V) of step ``t`` (t words emitted so far, ``histories`` (N, t))."""
+        c, inf = self.config, float("-inf")
+        logp = logp.masked_fill(self.banned, inf)
+        if c.no_repeat_ngram > 0:
+            logp = self.block(logp, histories, c.no_repeat_ngram)
+        if t < c.min_length:  # too short to end
+            logp = logp.masked_fill(self.end, inf)
+        if t == c.max_length:  # no room for another word: only <end> may follow
+            logp = logp.masked_fill(~self.end, inf)
         return logp
+
+
+def _config(config: DecodingConfig | None, default: DecodingConfig, options: Any):
+    """``config`` (else ``default``) with keyword ``options``: what greedy_decode and
+    beam_search take, a whole config or single options (the tests, benchmarks)."""
+    return (config or default).with_overrides(**options) if options else (config or default)
 
 
 @torch.inference_mode()
 def greedy_decode(
     decoder: Decoder,
     annotations: torch.Tensor,
-    max_length: int = 20,
-    hard_mode: str = "argmax",
+    config: DecodingConfig | None = None,
+    *,
     allow_unk: bool = False,
-    no_repeat_ngram: int = 0,
     strategy: str = "auto",
+    **options: Any,
 ) -> list[list[Hypothesis]]:
-    """The most likely word at each step, for a batch of images (B, L, D).
+    """The most likely word at each step, for a batch of images (B, L, D), with ``config``'s
+    options (its beam size and ranking aside; keyword ``options`` override single ones).
 
-    no_repeat_ngram > 0: no n-gram of that size occurs twice in a caption. ``strategy``: see
-    ``_strategy``. The words, maps and log-probabilities go into preallocated tensors, one indexed
-    write per step, read back to Python once at the end.
+    ``allow_unk``: <unk> may be emitted (never by the entry points; the tests' oracles).
+    ``strategy``: see ``_strategy``. The words, maps and log-probabilities go into preallocated
+    tensors, one indexed write per step, read back to Python once at the end.
     """
+    config = _config(config, DecodingConfig(beam_size=1), options)
     how = _strategy(strategy, annotations.device)
-    options = (max_length, hard_mode, allow_unk, no_repeat_ngram)
     if how is None:
         state = decoder.start(annotations, word_gates=True)
-        tokens, logps, alphas, locs = _greedy_shrink_loop(decoder, state, annotations, *options)
+        tokens, logps, alphas, locs = _greedy_shrink_loop(
+            decoder, state, annotations, config, allow_unk
+        )
     else:
 
         def run(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out = _greedy_fixed_loop(decoder, decoder.start(a, word_gates=True), a, *options)
+            state = decoder.start(a, word_gates=True)
+            out = _greedy_fixed_loop(decoder, state, a, config, allow_unk)
             return out if out[3] is not None else out[:3]
 
-        out = _graphed(decoder, "greedy", run, annotations, *options) if how == "graph" else None
+        key = (config.search_key(), allow_unk)
+        out = _graphed(decoder, "greedy", run, annotations, key) if how == "graph" else None
         tokens, logps, alphas, *locs = out or run(annotations)
         locs = locs[0] if locs else None
         alphas = alphas.cpu()  # the maps to the host in one copy, not one per caption
@@ -221,11 +235,12 @@ def greedy_decode(
     ]
 
 
-def _greedy_shrink_loop(decoder, state, annotations, max_length, hard_mode, allow_unk, ngram):
+def _greedy_shrink_loop(decoder, state, annotations, config: DecodingConfig, allow_unk: bool):
     """Greedy steps where a row whose caption ended leaves the batch. Returns tokens (B, T)
     (<end> after the end), log p (B,) in float64, maps (B, T, L), locations (B, T) or None."""
     B, L, _ = annotations.shape
-    dev, T = annotations.device, max_length + 1  # steps at most: max_length words and <end>
+    hard_mode = config.hard_mode
+    dev, T = annotations.device, config.max_length + 1  # steps at most: the words and <end>
     words = torch.full((B,), START, dtype=torch.long, device=dev)  # (N,) N rows still running
     active = torch.arange(B, device=dev)  # (N,) the image of each running row
     tokens = torch.full((B, T), END, dtype=torch.long, device=dev)
@@ -234,7 +249,7 @@ def _greedy_shrink_loop(decoder, state, annotations, max_length, hard_mode, allo
     for t in range(T):
         logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (N, V), (N, L), (N,)
         if t == 0:
-            masks = _Masks(logp.size(1), dev, allow_unk, max_length, ngram, False)
+            masks = _Masks(logp.size(1), dev, config, allow_unk, False)
             alphas = alpha.new_zeros(B, T, L)  # bfloat16 under autocast
         best, words = masks(logp, t, tokens[active, :t]).max(1)  # (N,), (N,)
         logps[active] += best.double()
@@ -252,11 +267,12 @@ def _greedy_shrink_loop(decoder, state, annotations, max_length, hard_mode, allo
     return tokens, logps, alphas, locs if s is not None else None
 
 
-def _greedy_fixed_loop(decoder, state, annotations, max_length, hard_mode, allow_unk, ngram):
+def _greedy_fixed_loop(decoder, state, annotations, config: DecodingConfig, allow_unk: bool):
     """Greedy steps over all B rows for all max_length + 1 steps, finished rows masked: no host
     synchronisation (``_greedy_shrink_loop``'s results, the same values)."""
     B, L, _ = annotations.shape
-    dev, T = annotations.device, max_length + 1
+    hard_mode = config.hard_mode
+    dev, T = annotations.device, config.max_length + 1
     words = torch.full((B,), START, dtype=torch.long, device=dev)
     tokens = torch.full((B, T), END, dtype=torch.long, device=dev)
     logps = torch.zeros(B, dtype=torch.float64, device=dev)
@@ -265,7 +281,7 @@ def _greedy_fixed_loop(decoder, state, annotations, max_length, hard_mode, allow
     for t in range(T):
         logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (B, V), (B, L), (B,)
         if t == 0:
-            masks = _Masks(logp.size(1), dev, allow_unk, max_length, ngram, True)
+            masks = _Masks(logp.size(1), dev, config, allow_unk, True)
             alphas = alpha.new_zeros(B, T, L)
             if s is not None:
                 locs = torch.zeros(B, T, dtype=torch.long, device=dev)
@@ -309,36 +325,38 @@ def _survivors(top, beam, word, is_end, K: int):
 def beam_search(
     decoder: Decoder,
     annotations: torch.Tensor,
-    beam_size: int = 3,
-    max_length: int = 20,
-    length_penalty: float = 0.0,
-    hard_mode: str = "argmax",
+    config: DecodingConfig | None = None,
+    *,
     allow_unk: bool = False,
-    no_repeat_ngram: int = 0,
     strategy: str = "auto",
+    **options: Any,
 ) -> list[list[Hypothesis]]:
-    """Beam search for a batch of images (B, L, D), the beams of all images stepped together.
+    """Beam search for a batch of images (B, L, D), the beams of all images stepped together,
+    with ``config``'s options (its ranking aside; keyword ``options`` override single ones).
 
     A beam that emits <end> among the top K candidates of its image is finished; an image is done
     when it has K finished captions (or at max_length). Hypotheses are ranked by
-    log_prob / len**length_penalty, len counting <end>. no_repeat_ngram > 0: no n-gram of that
-    size occurs twice in a caption. Returns the K best per image. ``strategy``: see ``_strategy``.
+    log_prob / len**length_penalty, len counting <end>. Returns the K best per image.
+    ``allow_unk``, ``strategy``: as greedy_decode's.
 
     The first word is predicted once per image (its K beams would be identical) and each
     image's grid is stored once for its K beams (DecoderState.beams).
     """
+    config = _config(config, DecodingConfig(), options)
+    beam_size, length_penalty = config.beam_size, config.length_penalty
     how = _strategy(strategy, annotations.device)
-    options = (beam_size, max_length, hard_mode, allow_unk, no_repeat_ngram)
     if how is None:
         state = decoder.start(annotations, word_gates=True)  # a row per image
-        finished = _beam_shrink_loop(decoder, state, annotations, *options)
+        finished = _beam_shrink_loop(decoder, state, annotations, config, allow_unk)
     else:
 
         def run(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            pool, count = _beam_fixed_steps(decoder, decoder.start(a, word_gates=True), a, *options)
+            state = decoder.start(a, word_gates=True)
+            pool, count = _beam_fixed_steps(decoder, state, a, config, allow_unk)
             return (count, *(p for p in pool if p is not None))
 
-        out = _graphed(decoder, "beam", run, annotations, *options) if how == "graph" else None
+        key = (config.search_key(), allow_unk)
+        out = _graphed(decoder, "beam", run, annotations, key) if how == "graph" else None
         count, *pool = out or run(annotations)
         finished = _beam_finished(pool, count, beam_size)
 
@@ -358,10 +376,11 @@ def beam_search(
     ]
 
 
-def _beam_shrink_loop(decoder, state, annotations, K, max_length, hard_mode, allow_unk, ngram):
+def _beam_shrink_loop(decoder, state, annotations, config: DecodingConfig, allow_unk: bool):
     """Beam steps where an image that is done leaves the batch. Returns, per image, its
     finished captions in the order they ended: (tokens, log p, maps, locations or None)."""
     B, L, _ = annotations.shape
+    K, max_length, hard_mode = config.beam_size, config.max_length, config.hard_mode
     dev = annotations.device
     words = torch.full((B,), START, dtype=torch.long, device=dev)
     scores = annotations.new_zeros(B, 1)  # (G, k): the G images still running, k beams each
@@ -373,7 +392,7 @@ def _beam_shrink_loop(decoder, state, annotations, K, max_length, hard_mode, all
     for t in range(max_length + 1):
         logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (G*k, V), (G*k, L)
         if t == 0:
-            masks = _Masks(logp.size(1), dev, allow_unk, max_length, ngram, False)
+            masks = _Masks(logp.size(1), dev, config, allow_unk, False)
         k = scores.size(1)
         top, beam, word, is_end = _candidates(masks(logp, t, hist_tokens), scores, K)
         ends = is_end[:, :K].nonzero().tolist()  # <end> within the image's top K: finished
@@ -429,12 +448,13 @@ def _beam_finished(pool: list[torch.Tensor], count: torch.Tensor, K: int) -> lis
     ]
 
 
-def _beam_fixed_steps(decoder, state, annotations, K, max_length, hard_mode, allow_unk, ngram):
+def _beam_fixed_steps(decoder, state, annotations, config: DecodingConfig, allow_unk: bool):
     """Beam steps over all images for all max_length + 1 steps, with no host synchronisation:
     images that are done are masked, beams reordered with gathers, finished captions scattered
     into a pool of 2K slots per image (K - 1 before the last step that can add K), in the order
     they ended. Returns the pool (tokens, log p, lengths, maps, locations) and the counts (B,)."""
     B, L, _ = annotations.shape
+    K, max_length, hard_mode = config.beam_size, config.max_length, config.hard_mode
     dev, T, P = annotations.device, max_length + 1, 2 * K
     words = torch.full((B,), START, dtype=torch.long, device=dev)
     scores = annotations.new_zeros(B, 1)  # (B, k)
@@ -451,7 +471,7 @@ def _beam_fixed_steps(decoder, state, annotations, K, max_length, hard_mode, all
     for t in range(T):
         logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (B*k, V), (B*k, L)
         if t == 0:
-            masks = _Masks(logp.size(1), dev, allow_unk, max_length, ngram, True)
+            masks = _Masks(logp.size(1), dev, config, allow_unk, True)
             # maps in the grids' type, as the shrinking search's (float32 under autocast)
             hist[1], pool[3] = annotations.new_zeros(B, T, L), annotations.new_zeros(B, P + 1, T, L)
             if s is not None:
@@ -491,27 +511,10 @@ def generate(
     decoder: Decoder, annotations: torch.Tensor, config: DecodingConfig, strategy: str = "auto"
 ) -> list[list[Hypothesis]]:
     """Captions for a batch of annotation grids (B, L, D) with every option of ``config``: the
-    one place a decoding option reaches the search (beam 1 decodes greedily). ``strategy``:
-    the search's strategy (see ``_strategy``), "auto" unless a test or a benchmark forces one."""
-    if config.beam_size == 1:
-        return greedy_decode(
-            decoder,
-            annotations,
-            config.max_length,
-            config.hard_mode,
-            no_repeat_ngram=config.no_repeat_ngram,
-            strategy=strategy,
-        )
-    return beam_search(
-        decoder,
-        annotations,
-        config.beam_size,
-        config.max_length,
-        config.length_penalty,
-        config.hard_mode,
-        no_repeat_ngram=config.no_repeat_ngram,
-        strategy=strategy,
-    )
+    config handed whole to the search (beam 1 decodes greedily). ``strategy``: the search's
+    strategy (see ``_strategy``), "auto" unless a test or a benchmark forces one."""
+    search = greedy_decode if config.beam_size == 1 else beam_search
+    return search(decoder, annotations, config, strategy=strategy)
 
 
 @dataclass

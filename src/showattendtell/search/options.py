@@ -62,6 +62,8 @@ class DecodingOption:
     step: float = 1  # a slider's step
     advanced: bool = False  # under the web UI's "More decoding options"
     needs: str = ""  # "hard": hard-attention models only; "consensus": models with an index
+    ranks: bool = False  # read after the search, to rank its finished captions: not a part of
+    # what the step loops run (``DecodingConfig.search_key``, a recorded CUDA graph's key)
 
     @property
     def flag(self) -> str:
@@ -93,14 +95,17 @@ def option(kind: str, label: str, help: str, **more: Any) -> dict[str, DecodingO
     return {"option": DecodingOption("", kind, label, help, **more)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodingConfig:
     """How captions are generated: stored with a model as its default, overridden per call.
 
     Every entry point (the CLI, the Python API, the web service, validation during training)
-    builds its settings through this class, so every value is checked here and nowhere else:
-    out of range is a DecodingError (exit status 2 in the CLI), never a silent default. Each
-    field's ``option`` is the one declaration of its flag, UI control and API input.
+    resolves its overrides once into one of these, so every value is checked here and nowhere
+    else: out of range is a DecodingError (exit status 2 in the CLI), never a silent default.
+    Each field's ``option`` is the one declaration of its flag, UI control and API input. The
+    object then travels whole, down to the search's step loops (search/decoding.py); frozen, so
+    that it is hashable (the key of a recorded search) and nothing on the way changes it.
+    New fields go last: the web API's inputs follow this order.
     """
 
     beam_size: int = field(
@@ -135,6 +140,7 @@ class DecodingConfig:
             high=MAX_LENGTH_PENALTY,
             step=0.1,
             advanced=True,
+            ranks=True,
             ui_label="Length penalty (beams ranked by log p / length^penalty)",
         ),
     )
@@ -187,23 +193,48 @@ class DecodingConfig:
             ui_label="Rerank the beam's captions",
             ui_info="consensus: the one that best agrees with the captions of similar training "
             "photos",
+            ranks=True,
+        ),
+    )
+    min_length: int = field(
+        default=0,
+        metadata=option(
+            "int",
+            "minimum length",
+            "at least N words per caption: <end> is not emitted before (0: no minimum; at most "
+            "the maximum length)",
+            low=0,
+            high=MAX_CAPTION_LENGTH,
+            metavar="N",
+            widget="number",
+            advanced=True,
+            ui_label="Minimum length (words; 0: none)",
         ),
     )
 
     def __post_init__(self) -> None:
-        for name, opt in DECODING_OPTIONS.items():
-            setattr(self, name, opt.check(getattr(self, name)))
+        for name, opt in DECODING_OPTIONS.items():  # frozen: set through object's own setattr
+            object.__setattr__(self, name, opt.check(getattr(self, name)))
+        if self.min_length > self.max_length:
+            raise DecodingError(
+                f"minimum length (--min-length) {self.min_length} is more than the maximum "
+                f"length (--max-length) {self.max_length}: give at most {self.max_length}"
+            )
+
+    @property
+    def reranks_by_consensus(self) -> bool:
+        """Whether the beam's finished captions are reranked by consensus: asked for, and a
+        beam to choose from (greedy search has one caption)."""
+        return self.rerank == "consensus" and self.beam_size > 1
+
+    def search_key(self) -> tuple:
+        """The values the step loops run with (every option but those that only rank the
+        finished captions): a recorded search is replayed for any config of the same key."""
+        return tuple(getattr(self, n) for n, opt in DECODING_OPTIONS.items() if not opt.ranks)
 
     def with_overrides(self, **overrides: Any) -> DecodingConfig:
         """A copy with the given options changed (None: keep this one's), all checked."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise DecodingError(
-                f"unknown decoding option {unknown[0]!r}; the options are "
-                f"{', '.join(sorted(known))}"
-            )
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        return replace(self, **check_overrides(**overrides))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,6 +244,20 @@ class DecodingConfig:
 DECODING_OPTIONS: dict[str, DecodingOption] = {
     f.name: replace(f.metadata["option"], name=f.name) for f in fields(DecodingConfig)
 }
+
+def check_overrides(**overrides: Any) -> dict[str, Any]:
+    """The given options (None: not given), each checked on its own before a model is loaded:
+    an unknown name or a value out of its range is a DecodingError. What depends on another
+    option (a minimum length above the maximum) is checked when the overrides meet a model's
+    stored settings (``DecodingConfig.with_overrides``)."""
+    unknown = sorted(set(overrides) - set(DECODING_OPTIONS))
+    if unknown:
+        raise DecodingError(
+            f"unknown decoding option {unknown[0]!r}; the options are "
+            f"{', '.join(sorted(DECODING_OPTIONS))}"
+        )
+    return {k: DECODING_OPTIONS[k].check(v) for k, v in overrides.items() if v is not None}
+
 
 DEFAULT_BATCH_SIZE = 32  # a search step reads all the decoder's weights whatever its rows, so
 # 32 images share that cost better than 16 (benchmarks/README.md); the CNN runs in slices anyway
