@@ -72,7 +72,8 @@ def test_sat_models_lists_bundled_and_env_models(tiny_hard_model_file, monkeypat
         "words",
         "beam size 5",
         "hard-attention mode argmax",
-        "reranking consensus; consensus index of 6000 photos",
+        "reranking consensus",
+        "; consensus index of 6000 photos",
     ):
         assert expected in out, expected
     soft, hard = (line for line in out.splitlines() if line.startswith("flickr8k_lite2"))
