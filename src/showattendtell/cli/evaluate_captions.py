@@ -13,7 +13,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from showattendtell.captioning.catalog import resolve_models
+from showattendtell.captioning.records import Writer, open_output, scan_output
 from showattendtell.errors import Terminated, UsageError
+from showattendtell.outputs import OutputLock, printable_path
 from showattendtell.search.options import DECODING_OPTIONS, DecodingConfig
 
 log = logging.getLogger("showattendtell.cli.evaluate")  # the messages of `sat evaluate`
@@ -43,8 +46,6 @@ class Captions:
         """The records --resume read back, for the images of this run; with their attention
         (as kept: 5 decimals), shaped (n_words, grid, grid), when ``grid`` is given."""
         import numpy as np
-
-        from showattendtell.outputs import printable_path
 
         made = cls()
         for im in images:
@@ -136,8 +137,6 @@ class PartialCaptions:
             raise
 
     def _start(self, settings: dict, resume: bool) -> None:
-        from showattendtell.captioning.records import Writer, open_output
-
         left = self.path.is_file() and self.path.stat().st_size > 0
         if left and not resume:
             raise EvaluateError(
@@ -158,8 +157,6 @@ class PartialCaptions:
     def _read_back(self, settings: dict):
         """(the settings to keep writing with, the ResumePoint) of the partial file, whose
         records are read into ``records``; EvaluateError if its settings are not this run's."""
-        from showattendtell.captioning.records import scan_output
-
         try:
             saved = json.loads(self.settings_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -193,8 +190,6 @@ class PartialCaptions:
         (caption_output.OutputLock)."""
         if self.lock is not None or self.path is None:
             return
-        from showattendtell.outputs import OutputLock
-
         self.lock = OutputLock(
             self.path,
             busy=f"another sat evaluate is writing {self.path} (process still running); wait "
@@ -262,8 +257,6 @@ def settings(args: argparse.Namespace, decoding: DecodingConfig, attention: bool
     the model files, the split, --precision and the decoding settings in effect; not
     --batch-size, --num-workers, --device or --limit. ``attention``: the records keep each
     caption's attention (for --instances)."""
-    from showattendtell.captioning.catalog import resolve_models
-
     models = []
     for path in resolve_models(args.model):
         st = path.stat()

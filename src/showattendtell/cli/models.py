@@ -6,7 +6,12 @@ import argparse
 import json
 import sys
 
-from showattendtell.captioning.catalog import ModelNotFound, default_model_path, named_models
+from showattendtell.captioning.catalog import (
+    ModelNotFound,
+    default_model_path,
+    env_model,
+    named_models,
+)
 from showattendtell.search.options import DECODING_OPTIONS
 
 
@@ -26,7 +31,6 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     """The table (or JSON lines). A $SAT_MODEL that names no model file, missing or not a
     model, is a warning here and left out: the list is what a user reads to mend it."""
-    from showattendtell.captioning.catalog import env_model
     from showattendtell.model_file import ModelFileError, describe_model
 
     default = None

@@ -32,6 +32,7 @@ from showattendtell.cli.train_checks import (
 )
 from showattendtell.data.datamodule import CaptionDataModule
 from showattendtell.errors import UsageError, UserError
+from showattendtell.outputs import prepare_folder
 from showattendtell.training.config_files import BASE_KEY, expand_bases
 from showattendtell.training.lit_module import CaptionModule
 
@@ -232,8 +233,6 @@ class SatCLI(LightningCLI):
         # `sat train`: before the model and data are built (seconds) and training starts
         # (hours), a run folder that cannot be written is one line, not a traceback later
         if self.check_run_dir:
-            from showattendtell.outputs import prepare_folder
-
             prepare_folder("--run.dir", Path(self.config.run.dir))
 
     def instantiate_classes(self) -> None:
