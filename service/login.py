@@ -35,6 +35,9 @@ PUBLIC_PATHS = frozenset(
         "/gradio_api/user/",
         "/gradio_api/token",
         "/gradio_api/token/",
+        "/gradio_api/app_id",
+        "/gradio_api/app_id/",
+        "/gradio_api/startup-events",  # starts the queue once; launch() calls it unlogged
     }
 )
 PUBLIC_PREFIXES = ("/assets/", "/static/", "/svelte/", "/pwa_icon")

@@ -74,19 +74,15 @@ def refuse_urls(inputs: Any) -> None:
     what clients name can be made to reach hosts only it can reach. Inline images (data: URLs)
     and uploads are the ways in."""
 
-    def check(value: Any, depth: int = 0) -> None:
-        if depth > 8:  # a file dict sits at most a few levels down
-            return
+    stack = [inputs]  # every level, as Gradio's own traversal goes (no recursion limit)
+    while stack:
+        value = stack.pop()
         if isinstance(value, dict):
             if is_url(value.get("path")):  # what Gradio fetches ("url" is the page's link)
                 raise ServiceError(NOT_AN_UPLOAD)
-            for v in value.values():
-                check(v, depth + 1)
+            stack.extend(value.values())
         elif isinstance(value, (list, tuple)):
-            for v in value:
-                check(v, depth + 1)
-
-    check(inputs)
+            stack.extend(value)
 
 
 def upload_path(upload: Any) -> str | None:

@@ -82,7 +82,7 @@ class CaptionService:
     def get(self, name: str | None) -> Captioner:
         if not name:
             return next(iter(self.captioners.values()))
-        if name not in self.captioners:
+        if not isinstance(name, str) or name not in self.captioners:
             raise ServiceError(f"unknown model {name!r}; available: {', '.join(self.captioners)}")
         return self.captioners[name]
 

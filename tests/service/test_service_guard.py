@@ -85,7 +85,10 @@ def test_every_route_but_the_login_pages_needs_a_login(path: str, needed: bool):
 
 def test_a_url_in_any_input_is_refused_before_anything_is_fetched():
     url_file = {"path": "https://example.com/a.jpg", "meta": {"_type": "gradio.FileData"}}
-    for inputs in ([url_file, None], [None, {"nested": [url_file]}], ["http://10.0.0.1/x.png"]):
+    deep: object = url_file
+    for _ in range(50):
+        deep = {"a": [deep]}
+    for inputs in ([url_file, None], [None, {"nested": [url_file]}], [deep], ["http://10.0.0.1/x"]):
         if isinstance(inputs[0], str):  # a bare string is not a file Gradio fetches
             refuse_urls(inputs)
             continue

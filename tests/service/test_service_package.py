@@ -29,6 +29,9 @@ MODULES = (
     "serve",
     "options",
     "cache",
+    "login",
+    "guard",
+    "blocks",
 )
 
 

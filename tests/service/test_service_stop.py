@@ -77,5 +77,5 @@ def test_sigterm_answers_the_requests_in_flight_then_exits_0(tiny_model_file: Pa
             proc.kill()
             proc.wait()
     log = "".join(err.lines)
-    assert len(re.findall("stopping", log)) == 1 and "Traceback" not in log
+    assert len(re.findall(r"(?m)^INFO: stopping: ", log)) == 1 and "Traceback" not in log
     assert "unanswered" not in log
