@@ -3,9 +3,9 @@
 ``--model`` (every command that reads a model) and ``load_model()`` accept a path to a model file,
 or the name of a bundled model (its file stem, e.g. ``flickr8k_lite2_hard``) or of the file
 ``$SAT_MODEL`` points to, or a model folder (a ``config.json`` beside the model: the layout of
-``Captioner.save_pretrained``, or an ONNX export). After ``pip install`` the bundled files live in site-packages, so a
-name, not a path, is the interface. An existing path wins over a name. ``A+B`` names an
-ensemble of models A and B (ensemble.py).
+``Captioner.save_pretrained``, or an ONNX export). After ``pip install`` the bundled files live
+in site-packages, so a name, not a path, is the interface. An existing path wins over a name.
+``A+B`` names an ensemble of models A and B (ensemble.py).
 
 The top of this module stays import-light (no torch): the CLI imports it to build its parser.
 """

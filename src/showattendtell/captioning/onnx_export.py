@@ -27,8 +27,8 @@ import os
 import shutil
 import tempfile
 import warnings
-from dataclasses import asdict
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import torch

@@ -133,9 +133,14 @@ class OnnxDecoder(nn.Module):
             location = location if hard_mode == "argmax" else None
         else:
             (log_probs, alpha, h, c), location = out, None
-        return Step(log_probs, alpha, location, DecoderState(
-            h, c, state.projected, state.annotations, state.beams, None, state.image_gates
-        ))
+        return Step(
+            log_probs,
+            alpha,
+            location,
+            DecoderState(
+                h, c, state.projected, state.annotations, state.beams, None, state.image_gates
+            ),
+        )
 
 
 def check_hard_mode(hard_mode: str) -> None:

@@ -36,6 +36,7 @@ WEIGHTS_NAME = "model.safetensors"  # huggingface_hub.constants.SAFETENSORS_SING
 VOCAB_NAME = "vocab.json"
 HUB_FILES = (CONFIG_NAME, WEIGHTS_NAME, VOCAB_NAME)
 LIBRARY_NAME = "showattendtell"
+_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean variable
 WHAT_A_FOLDER_HOLDS = (
     f"a model folder holds {CONFIG_NAME}, {WEIGHTS_NAME} and {VOCAB_NAME} "
     "(Captioner.save_pretrained) or an ONNX export (sat export MODEL OUT --format onnx)"
@@ -159,16 +160,18 @@ def download(
     except ImportError:
         raise PretrainedError(
             f"{repo_id} is no folder and no model name here, and loading from the Hugging Face "
-            'Hub needs huggingface_hub: pip install "showattendtell[hub]"'
+            "Hub needs huggingface_hub (installed with gradio): pip install huggingface_hub"
         ) from None
-    offline = local_files_only or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    # read here, not only at huggingface_hub's import: it may have been imported before the
+    # variable was set (gradio imports it)
+    offline = local_files_only or os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE
     try:
         return Path(
             snapshot_download(
                 repo_id,
                 revision=revision,
                 cache_dir=cache_dir,
-                local_files_only=local_files_only,
+                local_files_only=offline,
                 token=token,
                 allow_patterns=list(HUB_FILES),
                 library_name=LIBRARY_NAME,
