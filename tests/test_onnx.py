@@ -63,11 +63,15 @@ def photos(tmp_path_factory) -> list[str]:
 
 
 def assert_same(torch_path: Captioner, onnx_path: Captioner, photos, **decoding) -> None:
-    """The same captions, scores, beams and locations; maps within 1e-4."""
+    """The same captions, scores and beams; maps within 1e-4; hard attention: each word's
+    location is the cell torch's map puts first (the tiny test models' 2x2 maps are nearly
+    flat, so between cells within float rounding of each other either is the argmax)."""
     a, b = torch_path.caption(photos, **decoding), onnx_path.caption(photos, **decoding)
     for x, y in zip(a, b, strict=True):
         assert x.caption == y.caption
-        assert x.locations == y.locations
+        assert (x.locations is None) == (y.locations is None)
+        for t, (row, col) in enumerate(y.locations or []):
+            assert x.attention[t, row, col] >= x.attention[t].max() - 1e-5
         assert [c for c, _ in x.beams] == [c for c, _ in y.beams]
         assert x.score == pytest.approx(y.score, abs=1e-4)
         assert np.abs(x.attention - y.attention).max() < 1e-4

@@ -63,6 +63,10 @@ def _session(path: Path):
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.inter_op_num_threads = 1
+    # no busy-waiting between runs: the search runs a step graph, then torch's bookkeeping,
+    # then the next step; onnxruntime's spinning threads would take the cores from torch (and
+    # from the other processes of `sat caption`) in between
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime's own error types: a damaged or foreign file
