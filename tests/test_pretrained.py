@@ -161,3 +161,19 @@ def test_hubconf_has_one_entry_per_bundled_model_and_loads_a_captioner():
     captioner = torch.hub.load(str(REPO), "flickr8k_lite2_soft", source="local", device="cpu")
     assert isinstance(captioner, Captioner) and captioner.name == "flickr8k_lite2_soft"
     assert captioner.device.type == "cpu" and captioner.attention_type == "soft"
+
+
+def test_sat_export_takes_a_model_folder_but_not_an_onnx_export(tiny_model_file, tmp_path, capsys):
+    folder = Captioner.from_pretrained(tiny_model_file, device="cpu").save_pretrained(
+        tmp_path / "hub"
+    )
+    out = tmp_path / "again.safetensors"
+    assert main(["export", str(folder), str(out), "--beam-size", "2"]) == 0
+    _, decoding, info = read_model(out)
+    assert decoding.beam_size == 2 and info["re_exported_from"] == str(folder)
+    onnx_like = tmp_path / "exported"
+    onnx_like.mkdir()
+    (onnx_like / "config.json").write_text(json.dumps({"format": "showattendtell/onnx-model"}))
+    capsys.readouterr()
+    assert main(["export", str(onnx_like), str(tmp_path / "x.safetensors")]) == 2
+    assert "is an ONNX export: export from the model file" in capsys.readouterr().err

@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "checkpoint",
         help="Lightning .ckpt written by sat train; or a model file "
-        "(.safetensors or a `sat models` name) to store other "
+        "(.safetensors, a model folder or a `sat models` name) to store other "
         "decoding defaults with its weights",
     )
     p.add_argument(
@@ -107,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
     _check_source(args.checkpoint)
     interpolate, alpha = _check_interpolate(args)
     _check_consensus(args)
-    if _is_model_file(args.checkpoint):  # its weights, its stored decoding with the overrides
+    if Path(args.checkpoint).is_dir():  # a model folder (Captioner.save_pretrained)
+        model, stored = _read_folder(args.checkpoint)
+        decoding = stored.with_overrides(**overrides)
+        info = {"re_exported_from": str(args.checkpoint)}
+    elif _is_model_file(args.checkpoint):  # its weights, its stored decoding with the overrides
         from showattendtell.captioning.catalog import resolve_model
         from showattendtell.model_file import read_model
 
@@ -283,6 +287,21 @@ def _check_feature_cache(folder: Path) -> None:
         "data.feature_cache"
     )
     raise UsageError(f"--feature-cache {folder}: no feature cache there (no meta.json); {hint}")
+
+
+def _read_folder(source: str):
+    """(model, stored decoding) of a model folder; an ONNX export has no weights to export."""
+    from showattendtell.captioning.catalog import resolve_model
+    from showattendtell.captioning.pretrained import folder_format, read_folder
+
+    folder = resolve_model(source, "checkpoint")
+    if folder_format(folder) == ONNX_FORMAT:
+        raise UsageError(
+            f"checkpoint: {source} is an ONNX export: export from the model file it was made "
+            "from (a .safetensors file or a `sat models` name)"
+        )
+    model, stored, _ = read_folder(folder)
+    return model, stored
 
 
 def _is_model_file(source: str) -> bool:
