@@ -1,6 +1,7 @@
 """A small but real trained model for tests of the entry points (CLI, batch, service).
 
-A randomly initialised ResNet-50 at 64 px (2x2 grid) and a small decoder, trained for a few
+A randomly initialised ResNet-50 (or ``backbone``: EfficientNet-Lite0 is a sixth of its size) at
+64 px (2x2 grid) and a small decoder, trained for a few
 seconds on the synthetic shapes task; it names colours and shapes, so its captions are checkable.
 """
 
@@ -23,13 +24,18 @@ from showattendtell.training.losses import soft_attention_loss
 
 
 def train_tiny_model(
-    path: Path, steps: int = 100, attention: str = "soft", seed: int = 0, attend: str = "before"
+    path: Path,
+    steps: int = 100,
+    attention: str = "soft",
+    seed: int = 0,
+    attend: str = "before",
+    backbone: str = "resnet50",
 ) -> Path:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     examples = [make_example(rng) for _ in range(96)]
     vocab = Vocabulary.build([c for _, c, _ in examples], min_count=1)
-    enc = EncoderConfig(backbone="resnet50", weights=None, input_size=64)
+    enc = EncoderConfig(backbone=backbone, weights=None, input_size=64)
     model = CaptionModel(vocab, enc, DecoderConfig(attention, 32, 64, 32, 0.0, attend=attend))
     with torch.no_grad():
         feats = model.encoder(torch.stack([preprocess(img, 64) for img, _, _ in examples]))

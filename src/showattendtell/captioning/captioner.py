@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from showattendtell.captioning import pretrained
 from showattendtell.captioning.catalog import resolve_models
 from showattendtell.ensemble import EnsembleModel
 from showattendtell.errors import UsageError
@@ -120,6 +121,13 @@ class Captioner:
         precision: str = "32",
         files: Sequence[Path] = (),
     ):
+        if getattr(model, "cpu_only", False):  # an ONNX model: onnxruntime's CPU provider
+            if device not in ("auto", "cpu") or precision != "32":
+                raise DeviceError(
+                    "an ONNX model runs on the CPU in float32 (onnxruntime): leave --device "
+                    "and --precision out, or caption with the model file"
+                )
+            device = "cpu"
         self.device = resolve_device(device)
         self.files = tuple(files)  # the model files it was read from (none: built in memory)
         self.autocast = autocast_dtype(precision, self.device)
@@ -128,6 +136,39 @@ class Captioner:
         if model.consensus is not None:  # not a module: moved by hand
             model.consensus.to(self.device)
         self.decoding, self.name = decoding, name
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_folder: str | Path,
+        device: str = "auto",
+        precision: str = "32",
+        *,
+        revision: str | None = None,
+        cache_dir: str | Path | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+    ) -> Captioner:
+        """A ready Captioner from a model folder (``save_pretrained``'s, or an ONNX export), a
+        model's name (`sat models`) or a Hugging Face Hub model ORG/NAME, read from
+        huggingface_hub's cache when it is there (``HF_HUB_OFFLINE=1`` or ``local_files_only``:
+        never from the network). ``revision``, ``cache_dir`` and ``token`` are
+        huggingface_hub's."""
+        spec, name = pretrained.locate(name_or_folder, revision, cache_dir, local_files_only, token)
+        captioner = load_model(spec, device, precision)
+        captioner.name = name or captioner.name
+        return captioner
+
+    def save_pretrained(
+        self, folder: str | Path, *, half: bool = False, overwrite: bool = False
+    ) -> Path:
+        """Write this model as ``config.json`` + ``model.safetensors`` + ``vocab.json`` (the
+        layout of Hugging Face's ``ModelHubMixin``: push the folder to a hub repository and it
+        loads with ``Captioner.from_pretrained("ORG/NAME")``). The stored decoding is this
+        Captioner's. ``half``: weights as float16 (half the size); files of those names are
+        replaced only with ``overwrite``."""
+        info = {"saved_from": self.name}
+        return pretrained.save_folder(self.model, self.decoding, folder, info, half, overwrite)
 
     def _autocast(self):
         return torch.autocast(
@@ -285,18 +326,28 @@ def load_model(
     device: str = "auto",
     precision: str = "32",
 ) -> Captioner:
-    """Load a model for captioning: a model file, a model's name (`sat models`), ``A+B`` or a
-    list of them for an ensemble (decoded with the first one's stored settings), or None for
+    """Load a model for captioning: a model file, a model folder (``Captioner.save_pretrained``'s
+    layout or an ONNX export), a model's name (`sat models`), ``A+B`` or a list of them for an
+    ensemble (decoded with the first one's stored settings), or None for
     the default model ($SAT_MODEL, else the bundled default). ``precision``: "32", "bf16" or
     "16" (mixed precision; "16" on a GPU only)."""
     specs = list(path) if isinstance(path, (list, tuple)) else [path]
     paths = [p for spec in specs or [None] for p in resolve_models(spec)]
-    loaded = [read_model(p) for p in paths]
+    loaded = [_read(p) for p in paths]
     model, decoding, _ = loaded[0]
     if len(paths) > 1:
         model = EnsembleModel([m for m, _, _ in loaded], [p.stem for p in paths])
-    name = "+".join(p.stem for p in paths)
-    return Captioner(model, decoding, device, name=name, precision=precision, files=paths)
+    name = "+".join(p.name if p.is_dir() else p.stem for p in paths)
+    files = [f for _, _, fs in loaded for f in fs]
+    return Captioner(model, decoding, device, name=name, precision=precision, files=files)
+
+
+def _read(path: Path) -> tuple[CaptionModel, DecodingConfig, tuple[Path, ...]]:
+    """(model, stored decoding, its files) of a model file or a model folder (pretrained.py)."""
+    if path.is_dir():
+        return pretrained.read_folder(path)
+    model, decoding, _ = read_model(path)
+    return model, decoding, (path,)
 
 
 def caption_images(captioner: Captioner, images: list, **decoding) -> list[CaptionResult]:

@@ -2,9 +2,10 @@
 
 ``--model`` (every command that reads a model) and ``load_model()`` accept a path to a model file,
 or the name of a bundled model (its file stem, e.g. ``flickr8k_lite2_hard``) or of the file
-``$SAT_MODEL`` points to. After ``pip install`` the bundled files live in site-packages, so a
-name, not a path, is the interface. An existing path wins over a name. ``A+B`` names an
-ensemble of models A and B (ensemble.py).
+``$SAT_MODEL`` points to, or a model folder (a ``config.json`` beside the model: the layout of
+``Captioner.save_pretrained``, or an ONNX export). After ``pip install`` the bundled files live
+in site-packages, so a name, not a path, is the interface. An existing path wins over a name.
+``A+B`` names an ensemble of models A and B (ensemble.py).
 
 The top of this module stays import-light (no torch): the CLI imports it to build its parser.
 """
@@ -20,6 +21,7 @@ BUNDLED_DIR = Path(__file__).parents[1] / "bundled"  # shipped in the package ro
 DEFAULT_MODEL_ENV = "SAT_MODEL"
 DEFAULT_BUNDLED = "flickr8k_lite2_soft.safetensors"
 MODEL_SUFFIX = ".safetensors"
+FOLDER_CONFIG = "config.json"  # what makes a folder a model (pretrained.CONFIG_NAME)
 # what to do about a $SAT_MODEL that names no model file
 POINT_IT = "point it at a model file, give a bundled model's name, or unset it"
 
@@ -100,9 +102,12 @@ def resolve_model(spec: str | Path | None, option: str = "--model") -> Path:
         return default_model_path()
     path = Path(spec)
     if path.is_dir():
+        if (path / FOLDER_CONFIG).is_file():  # a model folder (pretrained.py, onnx_model.py)
+            return path
         raise ModelNotFound(
-            f"{option} {spec} is a folder: give a model file (.safetensors) or "
-            "the name of a model (`sat models` lists them)"
+            f"{option} {spec} is a folder: give a model file (.safetensors), a model folder "
+            f"with a {FOLDER_CONFIG} (Captioner.save_pretrained, `sat export MODEL OUT --format "
+            "onnx`) or the name of a model (`sat models` lists them)"
         )
     if path.is_file():
         return path

@@ -1,10 +1,13 @@
 """`sat export`: a training checkpoint -> a self-describing, pickle-free model file; or a model
 file -> the same weights with other stored decoding defaults (e.g. the bundled models'
-``--no-repeat-ngram 2``)."""
+``--no-repeat-ngram 2``); either as an ONNX model folder with ``--format onnx``
+(captioning/onnx_export.py)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 from pathlib import Path
 
 from showattendtell.cli.common import add_decoding_args, decoding_overrides
@@ -13,6 +16,9 @@ from showattendtell.errors import UsageError
 from showattendtell.outputs import OutputError, check_new_output
 
 DEFAULT_ALPHA = 0.5
+FORMATS = ("safetensors", "onnx")
+ONNX_INSTALL = 'pip install "showattendtell[onnx]"'
+ONNX_FORMAT = "showattendtell/onnx-model"  # onnx_model.FORMAT, without importing torch here
 
 
 def add_parser(sub) -> None:
@@ -20,13 +26,22 @@ def add_parser(sub) -> None:
     p.add_argument(
         "checkpoint",
         help="Lightning .ckpt written by sat train; or a model file "
-        "(.safetensors or a `sat models` name) to store other "
+        "(.safetensors, a model folder or a `sat models` name) to store other "
         "decoding defaults with its weights",
     )
     p.add_argument(
         "output",
-        help="model file to write (.safetensors); an existing file is "
-        "replaced only with --overwrite",
+        help="model file to write (.safetensors), or with --format onnx a new folder; an "
+        "existing file (an earlier ONNX export) is replaced only with --overwrite",
+    )
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="safetensors",
+        help="safetensors (default): one model file; onnx: a folder of ONNX graphs (encoder, "
+        "decoder start, decoder step) with the vocabulary and stored decoding, that "
+        "sat caption, sat evaluate and Captioner run with onnxruntime "
+        f"({ONNX_INSTALL})",
     )
     p.add_argument(
         "--overwrite",
@@ -93,7 +108,11 @@ def run(args: argparse.Namespace) -> int:
     interpolate, alpha = _check_interpolate(args)
     _check_consensus(args)
     try:  # a source that is no checkpoint or model file (a photo, a text) is a usage error
-        if _is_model_file(args.checkpoint):  # its weights, its stored decoding with overrides
+        if Path(args.checkpoint).is_dir():  # a model folder (Captioner.save_pretrained)
+            model, stored = _read_folder(args.checkpoint)
+            decoding = stored.with_overrides(**overrides)
+            info = {"re_exported_from": str(args.checkpoint)}
+        elif _is_model_file(args.checkpoint):  # its weights, its stored decoding with overrides
             from showattendtell.captioning.catalog import resolve_model
             from showattendtell.model_file import read_model
 
@@ -136,6 +155,15 @@ def run(args: argparse.Namespace) -> int:
             f"({len(model.consensus.references)} photos)"
         )
     model.check_decoding(decoding)  # e.g. --rerank consensus without an index
+    if args.format == "onnx":
+        from showattendtell.captioning.onnx_export import export_onnx
+
+        try:
+            path = export_onnx(model, decoding, output, info)
+        except OSError as e:  # the export is written beside and renamed: nothing half-written
+            raise OutputError(f"cannot write {output}: {e.strerror or e}") from None
+        print(f"wrote {path}/ (ONNX: run it with sat caption --model {path})")
+        return 0
     try:
         path = save_model(model, output, decoding, half=args.half, info=info)
     except OSError as e:  # a disk that filled up while exporting: the old file is untouched
@@ -149,6 +177,9 @@ def _check_output(args: argparse.Namespace) -> Path:
     """Before a checkpoint is read: the output can be written, and an existing file is
     replaced only when asked (a model file may be the only copy of weeks of training)."""
     output = Path(args.output)
+    if args.format == "onnx":
+        _check_onnx_output(args, output)
+        return output
     if output.suffix.lower() != ".safetensors":
         raise UsageError(
             f"output: {output} would hold a safetensors model file under another name; name "
@@ -156,6 +187,33 @@ def _check_output(args: argparse.Namespace) -> Path:
         )
     check_new_output("output", output, args.overwrite)
     return output
+
+
+def _check_onnx_output(args: argparse.Namespace, output: Path) -> None:
+    """--format onnx: the packages are there, and the output is a new or empty folder, or an
+    earlier ONNX export replaced with --overwrite (never a folder of other files)."""
+    if args.half:
+        raise UsageError("--half is for model files: an ONNX export is float32; leave --half out")
+    missing = [m for m in ("onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"--format onnx needs {' and '.join(missing)}: {ONNX_INSTALL}")
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"output {output} is a file: --format onnx writes a folder")
+    if not output.is_dir() or not any(output.iterdir()):
+        return
+    try:
+        fmt = json.loads((output / "config.json").read_text(encoding="utf-8")).get("format")
+    except (OSError, ValueError, AttributeError):
+        fmt = None
+    if fmt != ONNX_FORMAT:
+        raise OutputError(
+            f"output {output} is a folder with other files in it: give a new or empty folder"
+        )
+    if not args.overwrite:
+        raise OutputError(
+            f"output {output} already holds an ONNX export; add --overwrite to replace it, "
+            "or give another folder"
+        )
 
 
 def _check_source(source: str) -> None:
@@ -237,6 +295,21 @@ def _check_feature_cache(folder: Path) -> None:
         "data.feature_cache"
     )
     raise UsageError(f"--feature-cache {folder}: no feature cache there (no meta.json); {hint}")
+
+
+def _read_folder(source: str):
+    """(model, stored decoding) of a model folder; an ONNX export has no weights to export."""
+    from showattendtell.captioning.catalog import resolve_model
+    from showattendtell.captioning.pretrained import folder_format, read_folder
+
+    folder = resolve_model(source, "checkpoint")
+    if folder_format(folder) == ONNX_FORMAT:
+        raise UsageError(
+            f"checkpoint: {source} is an ONNX export: export from the model file it was made "
+            "from (a .safetensors file or a `sat models` name)"
+        )
+    model, stored, _ = read_folder(folder)
+    return model, stored
 
 
 def _is_model_file(source: str) -> bool:
