@@ -20,7 +20,7 @@ from showattendtell.cli.main import main
 from showattendtell.errors import UsageError
 from showattendtell.model_file import read_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
