@@ -46,8 +46,9 @@ CSS = """
 }
 """
 
-# Gradio's page refuses a file that is not an image before uploading it, with a toast and no
-# event for the server: this reports the refusal (the toast's text) through a hidden button, so
+# Gradio's page refuses a file that is not an image, or one over the upload limit, before
+# uploading it, with a toast that fades and no event for the server: this reports the refusal
+# (the toast's text) through a hidden button, so that the reason stays in the status line and
 # the previous photo's outputs are cleared as for any other file that cannot be captioned.
 REFUSAL_JS = """
 () => {
@@ -56,7 +57,8 @@ REFUSAL_JS = """
     for (const toast of document.querySelectorAll('.toast-body')) {
       if (seen.has(toast)) continue;
       // its text may arrive after the toast itself: a toast counts once, when it matches
-      const found = (toast.innerText || '').match(/Invalid file types?:[^\\n]*/);
+      const found = (toast.innerText || '').match(
+        /(Invalid file types?:|File\\(s\\) exceed the maximum allowed size)[^\\n]*/);
       if (!found) continue;
       seen.add(toast);
       window.__satRefused = found[0];

@@ -248,6 +248,10 @@ def test_file_type_refused_by_gradio_clears_the_outputs(service: CaptionService)
     from showattendtell.service.app import CSS, REFUSAL_JS
 
     assert "#refused-upload" in REFUSAL_JS and "Invalid file type" in REFUSAL_JS
+    # an upload over the limit: Gradio's toast fades; its reason stays in the status line
+    assert "File\\(s\\) exceed the maximum allowed size" in REFUSAL_JS
+    reason = "File(s) exceed the maximum allowed size of 20 MB: huge.png"
+    assert reason in events.refused_upload(reason)[0]
     assert "#refused-upload {display: none" in CSS
 
 
