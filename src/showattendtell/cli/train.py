@@ -298,7 +298,7 @@ class SaveOnInterrupt(L.Callback):
         )
         self.saved = folder / INTERRUPTED_CHECKPOINT
         _count_steps_for_the_logger(trainer)
-        trainer.save_checkpoint(self.saved)
+        trainer.save_checkpoint(self.saved, weights_only=False)  # a whole one, to resume
 
 
 def _count_steps_for_the_logger(trainer: L.Trainer) -> None:
