@@ -425,3 +425,21 @@ def test_help_text_is_body_size_and_the_gallery_fits_a_phone():
 
     assert '[data-testid="block-info"]' in CSS and "var(--text-md)" in CSS
     assert "@media (max-width: 640px)" in CSS and "#word-gallery .grid-container" in CSS
+
+
+# What each example photo shows, in words the caption must use: the examples show what the
+# model does well; the last one what it does not, under its warning.
+EXAMPLE_WORDS = {"1-skateboard.jpg": {"skateboard"}, "2-tennis.jpg": {"tennis"}}
+
+
+@pytest.mark.slow
+def test_the_examples_are_captioned_right_but_the_last_which_is_warned_about():
+    from showattendtell import load_model
+
+    examples = find_examples()
+    assert [p.name for p in examples[:-1]] == sorted(EXAMPLE_WORDS)
+    results = load_model(None, "cpu").caption(examples)
+    for path, result in zip(examples[:-1], results, strict=False):
+        assert EXAMPLE_WORDS[path.name] & set(result.words), (path.name, result.caption)
+        assert not result.warning, (path.name, result.warning)
+    assert results[-1].warning  # the pizzas: unlike the training photos, and said so
