@@ -31,16 +31,27 @@ from .uploads import MAX_EXAMPLES
 from .worker import CaptionService
 
 # Toasts at the bottom right, clear of the status line at the top of the page; the warning box
-# stands out; the button the page presses when Gradio refuses a file type is never seen.
+# stands out; the button the page presses when Gradio refuses a file type is never seen; the
+# controls' help (the hard-attention modes) at body size and colour, not small pale grey; on a
+# phone (400 px) the word gallery takes three panels a row (Gradio's minimum of 100 px a column
+# pushed 3 of 9 off screen), and the beam table wraps its captions and scrolls, not cut.
 CSS = """
 #caption-text textarea {font-size: 1.35em; font-weight: 600}
 .toast-wrap {top: auto !important; bottom: var(--size-4) !important}
 #caption-warning {background: #fff4d6; border-left: 4px solid #e0a000; padding: 4px 10px}
 #refused-upload {display: none !important}
+[data-testid="block-info"] {
+  font-size: var(--text-md) !important; color: var(--body-text-color) !important
+}
+#beams {overflow-x: auto}
+@media (max-width: 640px) {
+  #word-gallery .grid-container {grid-template-columns: repeat(3, minmax(0, 1fr)) !important}
+}
 """
 
-# Gradio's page refuses a file that is not an image before uploading it, with a toast and no
-# event for the server: this reports the refusal (the toast's text) through a hidden button, so
+# Gradio's page refuses a file that is not an image, or one over the upload limit, before
+# uploading it, with a toast that fades and no event for the server: this reports the refusal
+# (the toast's text) through a hidden button, so that the reason stays in the status line and
 # the previous photo's outputs are cleared as for any other file that cannot be captioned.
 REFUSAL_JS = """
 () => {
@@ -49,7 +60,8 @@ REFUSAL_JS = """
     for (const toast of document.querySelectorAll('.toast-body')) {
       if (seen.has(toast)) continue;
       // its text may arrive after the toast itself: a toast counts once, when it matches
-      const found = (toast.innerText || '').match(/Invalid file types?:[^\\n]*/);
+      const found = (toast.innerText || '').match(
+        /(Invalid file types?:|File\\(s\\) exceed the maximum allowed size)[^\\n]*/);
       if (!found) continue;
       seen.add(toast);
       window.__satRefused = found[0];
@@ -189,6 +201,7 @@ def layout(service: CaptionService, examples: Sequence[Path], session_ttl_s: flo
         headers=events.BEAM_COLUMNS,
         label="Top beam captions",
         interactive=False,
+        wrap=True,
         elem_id="beams",
     )
     refused = gr.Button("refused upload", elem_id="refused-upload")

@@ -17,7 +17,12 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from showattendtell.captioning.overlays import colour_bar, label_font, overlay_attention
+from showattendtell.captioning.overlays import (
+    colour_bar,
+    label_font,
+    overlay_attention,
+    panel_size,
+)
 
 SCALES = ("caption", "word")  # colour scale: the caption's maximum, or each word's own
 DEFAULT_SCALE = "caption"
@@ -36,14 +41,45 @@ def is_flat(grid: np.ndarray) -> bool:
 
 
 def tagged(image: Image.Image, text: str = FLAT_TAG) -> Image.Image:
-    """The image with ``text`` on a dark band at its top left (marks a flat map)."""
+    """The image with ``text`` on a dark band at its bottom left (marks a flat map): Gradio
+    lays its label over the top left of an image that fills its box, which hid a tag there."""
     out = image.copy()
     draw = ImageDraw.Draw(out)
     font = label_font(max(10, min(14, image.width // 20)))
     box = draw.textbbox((0, 0), text, font=font)
-    draw.rectangle([0, 0, box[2] + 10, box[3] + 8], fill=(20, 20, 20))
-    draw.text((5, 3), text, fill=(255, 214, 90), font=font)  # not white: white marks a cell
+    top = max(0, image.height - (box[3] + 8))
+    draw.rectangle([0, top, box[2] + 10, image.height], fill=(20, 20, 20))
+    draw.text((5, top + 3), text, fill=(255, 214, 90), font=font)  # not white: white marks a cell
     return out
+
+
+# Words that say little about where to look: the page opens on the first word not among them.
+FUNCTION_WORDS = frozenset(
+    ("a", "an", "the", "of", "on", "in", "at", "to", "with", "and", "or", "is", "are", "was")
+    + ("were", "be", "its", "his", "her", "their", "this", "that", "for", "from", "by", "near")
+    + ("into", "over", "under", "while", "some", "two", "three")
+)
+
+
+def opening_word(words: list[str], attention: np.ndarray) -> int | None:
+    """The word whose attention the page shows first: the first content word whose map is not
+    flat, else the word with the most concentrated map (largest weight). Not the first word,
+    usually a flat "a", which would open every caption on "the model looked almost everywhere".
+    """
+    if not words:
+        return None
+    for i, word in enumerate(words):
+        if word.lower() not in FUNCTION_WORDS and not is_flat(attention[i]):
+            return i
+    return int(np.argmax([float(np.max(a)) for a in attention]))
+
+
+def readable(image: Image.Image, size: int) -> Image.Image:
+    """The image with its longer side ``size`` and its shorter side no less than a third of
+    that (overlays.panel_size, as the CLI's sheets): a panorama's overlays stay panels in which
+    something can be seen, not strips one or two pixels high."""
+    target = panel_size(image.width, image.height, size)
+    return image if target == image.size else image.resize(target, Image.Resampling.BICUBIC)
 
 
 def resized(image: Image.Image, size: int) -> Image.Image:

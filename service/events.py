@@ -142,14 +142,15 @@ def ui_caption(
         return (f"**Cannot caption {what}:** {e}", *cleared())
     r = done.result
     state = {
-        "image": drawing.resized(done.image, VIEW_SIZE),
-        "small": drawing.resized(done.image, PANEL_SIZE),
+        "image": drawing.readable(done.image, VIEW_SIZE),
+        "small": drawing.readable(done.image, PANEL_SIZE),
         "attention": r.attention,
         "locations": r.locations,
         "words": r.words,
     }
-    words = gr.update(choices=[(w, i) for i, w in enumerate(r.words)], value=0 if r.words else None)
-    view, note = drawing.word_view(state, 0, scale)
+    first = drawing.opening_word(r.words, r.attention)
+    words = gr.update(choices=[(w, i) for i, w in enumerate(r.words)], value=first)
+    view, note = drawing.word_view(state, first, scale)
     sheet = caption_sheet(drawing.resized(done.image, SHEET_SIZE), r) if r.words else None
     return (
         status_text(done),

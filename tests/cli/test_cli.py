@@ -506,8 +506,8 @@ def test_main_called_again_logs_to_the_stderr_of_the_moment(monkeypatch):
     def logs(what: str):
         return lambda *args: logging.getLogger(f"showattendtell.{what}").info(what) or 0
 
-    monkeypatch.setattr(models, "run", logs("models"))  # the other commands: the root logger's
-    monkeypatch.setattr(train_command, "train", logs("train"))  # train: the package's
+    monkeypatch.setattr(models, "run", logs("models"))
+    monkeypatch.setattr(train_command, "train", logs("train"))
     with no_log_handlers():
         for command in ("models", "models", "train", "train", "models"):
             with contextlib.redirect_stderr(io.StringIO()) as err:
@@ -515,6 +515,23 @@ def test_main_called_again_logs_to_the_stderr_of_the_moment(monkeypatch):
                 assert err.getvalue() == f"INFO: {command}\n", command
             err.close()
         assert not logging.getLogger().handlers and not logging.getLogger("showattendtell").handlers
+
+
+def test_only_the_project_s_own_lines_are_logged(monkeypatch):
+    """`sat serve` printed httpx's `INFO: HTTP Request` lines: a library's INFO lines are not
+    shown, the project's are, and a library's warning still is."""
+    from showattendtell.cli import models
+
+    def run(args):
+        logging.getLogger("httpx").info("HTTP Request: GET http://127.0.0.1:7860/ 200 OK")
+        logging.getLogger("showattendtell.service.serve").info("open http://127.0.0.1:7860")
+        logging.getLogger("httpx").warning("a library's warning")
+        return 0
+
+    monkeypatch.setattr(models, "run", run)
+    with no_log_handlers(), contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main(["models"]) == 0
+    assert err.getvalue() == "INFO: open http://127.0.0.1:7860\na library's warning\n"
 
 
 def test_version(capsys):

@@ -107,8 +107,8 @@ def test_a_jpeg_the_device_cannot_decode_gets_the_cpu_paths_record(tmp_path):
 def test_captions_of_the_pipeline_are_the_cpu_paths(tmp_path):
     """`sat caption --decode-on gpu`'s pipeline, run on a CPU: the same records in the same
     order, and the same captions for the example photos and a PNG between them."""
-    Image.open(EXAMPLES[2]).save(tmp_path / "gull.png")
-    paths = [str(EXAMPLES[0]), str(tmp_path / "gull.png"), *map(str, EXAMPLES[1:])]
+    Image.open(EXAMPLES[2]).save(tmp_path / "third.png")
+    paths = [str(EXAMPLES[0]), str(tmp_path / "third.png"), *map(str, EXAMPLES[1:])]
     captioner = load_model(None, "cpu")
     run = {
         flag: list(

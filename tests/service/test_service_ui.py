@@ -23,6 +23,7 @@ from helpers.service import (  # noqa: E402, F401 (fixtures)
     tiny_expected_file,
     white_pixels,
 )
+
 from showattendtell.service import drawing, events, options  # noqa: E402
 from showattendtell.service.app import build_app  # noqa: E402
 from showattendtell.service.uploads import find_examples  # noqa: E402
@@ -248,6 +249,10 @@ def test_file_type_refused_by_gradio_clears_the_outputs(service: CaptionService)
     from showattendtell.service.app import CSS, REFUSAL_JS
 
     assert "#refused-upload" in REFUSAL_JS and "Invalid file type" in REFUSAL_JS
+    # an upload over the limit: Gradio's toast fades; its reason stays in the status line
+    assert "File\\(s\\) exceed the maximum allowed size" in REFUSAL_JS
+    reason = "File(s) exceed the maximum allowed size of 20 MB: huge.png"
+    assert reason in events.refused_upload(reason)[0]
     assert "#refused-upload {display: none" in CSS
 
 
@@ -299,9 +304,9 @@ def test_colour_scale_labelled_with_real_weights():
     bar = drawing.with_colour_bar(state["image"], 0.8, 16)
     y = round((1 - (1 / 16) / 0.8) * 127)
     assert bar.width > 128 + 60 and bar.getpixel((128 + 8 - 2, y)) == (0, 0, 0)
-    # below the "flat map" tag of the uniform map: its strongest colour is pale
+    # above the "flat map" tag of the uniform map: its strongest colour is pale
     pale, strong = (
-        np.asarray(p.crop((0, 40, 128, 128)), np.float32)
+        np.asarray(p.crop((0, 0, 128, 88)), np.float32)
         for p, _ in drawing.gallery(state, "caption")
     )
     assert np.abs(pale - 128).max() < np.abs(strong - 128).max() / 2
@@ -327,15 +332,17 @@ def test_near_uniform_map_is_not_painted_red_by_default():
     focused_view, _ = events.show_word(state, 1)
     own_view, own_note = events.show_word(state, 0, "word")
 
-    def strongest(view: Image.Image) -> float:  # the photo below the tag's band
-        return float(np.abs(np.asarray(view.crop((0, 40, 128, 128)), np.float32) - 128).max())
+    def strongest(view: Image.Image) -> float:  # the photo above the tag's band
+        return float(np.abs(np.asarray(view.crop((0, 0, 128, 88)), np.float32) - 128).max())
 
     # its own scale paints the flat map as strongly as a focused one; the default does not
     assert strongest(own_view) > 0.8 * strongest(focused_view)
     assert strongest(default_view) < strongest(focused_view) / 3
     assert "Flat map" in default_note and "Flat map" in own_note
-    for view in (default_view, own_view):  # a dark "flat map" tag at the top left
-        assert np.asarray(view.crop((0, 0, 40, 12)), np.float32).mean() < 90
+    for view in (default_view, own_view):  # a dark "flat map" tag at the bottom left, clear
+        # of the label Gradio lays over the top left of an image that fills its box
+        assert np.asarray(view.crop((0, 116, 40, 128)), np.float32).mean() < 90
+        assert np.asarray(view.crop((0, 0, 40, 12)), np.float32).mean() > 90
     labels = [label for _, label in drawing.gallery(state, "word")]
     assert "flat map" in labels[0] and "flat map" not in labels[1]
     comps = {c["props"].get("elem_id"): c for c in build_app_scale_only()}
@@ -369,3 +376,71 @@ def test_the_api_endpoint_is_named_caption(service: CaptionService):
     assert list(endpoints) == ["/caption"]
     names = [p["parameter_name"] for p in endpoints["/caption"]["parameters"]]
     assert names == ["image", "model", *DECODING_OPTIONS]
+
+
+def test_the_page_opens_on_a_word_that_shows_where_the_model_looked():
+    """Not on the first word, usually a flat "a": on the first content word whose map is not
+    flat, else on the most concentrated map."""
+    g = 3
+    flat = np.full((g, g), 1 / g**2, np.float32)
+    focused = np.full((g, g), 0.1 / (g**2 - 1), np.float32)
+    focused[0, 0] = 0.9
+    half = np.full((g, g), 0.5 / (g**2 - 1), np.float32)
+    half[1, 1] = 0.5
+    words = ["a", "dog", "on", "grass"]
+    assert drawing.opening_word(words, np.stack([focused, flat, half, focused])) == 3
+    assert drawing.opening_word(words, np.stack([flat, half, focused, focused])) == 1
+    assert drawing.opening_word(["a", "the"], np.stack([half, focused])) == 1
+    assert drawing.opening_word([], np.zeros((0, g, g))) is None
+
+
+def test_the_caption_event_selects_the_opening_word(service: CaptionService, monkeypatch):
+    picked = []
+
+    def opening(words, attention):
+        picked.append(len(words) - 1)
+        return len(words) - 1
+
+    monkeypatch.setattr(drawing, "opening_word", opening)
+    upload = {"path": str(photo(1)), "orig_name": "photo.jpg"}
+    out = outputs(events.ui_caption(service, upload))
+    assert out["words"]["value"] == picked[0]
+    assert np.array_equal(
+        np.asarray(out["view"]), np.asarray(events.show_word(out["state"], picked[0])[0])
+    )
+
+
+def test_a_panorama_s_overlays_are_panels_one_can_see(service: CaptionService, tmp_path: Path):
+    """As the CLI's sheets (overlays.panel_size): a 4000x100 photo's gallery panels and large
+    view keep a shorter side of a third of the longer, not 224x6 strips."""
+    path = tmp_path / "panorama.png"
+    Image.new("RGB", (4000, 100), (30, 140, 60)).save(path)
+    out = outputs(events.ui_caption(service, {"path": str(path), "orig_name": "panorama.png"}))
+    panels = [p for p, _ in out["gallery"]]
+    assert panels and all(p.size == (224, 74) for p in panels)
+    assert out["state"]["image"].size == (512, 170)
+
+
+def test_help_text_is_body_size_and_the_gallery_fits_a_phone():
+    from showattendtell.service.app import CSS
+
+    assert '[data-testid="block-info"]' in CSS and "var(--text-md)" in CSS
+    assert "@media (max-width: 640px)" in CSS and "#word-gallery .grid-container" in CSS
+
+
+# What each example photo shows, in words the caption must use: the examples show what the
+# model does well; the last one what it does not, under its warning.
+EXAMPLE_WORDS = {"1-skateboard.jpg": {"skateboard"}, "2-tennis.jpg": {"tennis"}}
+
+
+@pytest.mark.slow
+def test_the_examples_are_captioned_right_but_the_last_which_is_warned_about():
+    from showattendtell import load_model
+
+    examples = find_examples()
+    assert [p.name for p in examples[:-1]] == sorted(EXAMPLE_WORDS)
+    results = load_model(None, "cpu").caption(examples)
+    for path, result in zip(examples[:-1], results, strict=False):
+        assert EXAMPLE_WORDS[path.name] & set(result.words), (path.name, result.caption)
+        assert not result.warning, (path.name, result.warning)
+    assert results[-1].warning  # the pizzas: unlike the training photos, and said so

@@ -221,11 +221,10 @@ def _plan(
         names = overlay_names(paths)  # of every input: a resumed run names sheets the same
         sheets = {p: names[p] for p in todo}
         _check_sheets(Path(args.overlays), sheets, paths, args.overwrite or args.resume)
+    skipped, missing = len(paths) - len(todo), len(unreadable)
     if resume is None:
-        return Plan(todo, len(paths) - len(todo), None, sheets, unreadable=len(unreadable)), None
-    plan = Plan(todo, len(paths) - len(todo), resume.fields, sheets, resume.made_by)
-    plan.unreadable = len(unreadable)
-    return plan, resume
+        return Plan(todo, skipped, None, sheets, unreadable=missing), None
+    return Plan(todo, skipped, resume.fields, sheets, resume.made_by, missing), resume
 
 
 def _not_done(paths: list[str], done: Counter[str]) -> list[str]:

@@ -84,11 +84,13 @@ def _log_to_stderr(train: bool) -> Iterator[None]:
     """INFO lines on stderr for one `sat` command, put back as they were when it returns, so
     that calls of main([...]) in one process (a notebook, the tests) never stack handlers.
 
-    `sat train` and `sat features`: only our own lines (dataset counts, feature-extraction
-    progress); LightningCLI configures Lightning's loggers, whose lines a handler on the root
-    logger would print twice. The other commands: every logger's. A logger that has handlers
-    already (an application's logging setup, pytest's capture) is left as it is."""
-    logger = logging.getLogger("showattendtell" if train else None)
+    Only the project's own lines (dataset counts, feature-extraction progress, the service's
+    address): a library's INFO lines are noise a user cannot act on (`INFO: HTTP Request` from
+    httpx in `sat serve`), and LightningCLI configures Lightning's loggers itself, whose lines a
+    handler on the root logger would print twice. Libraries' warnings still reach stderr
+    (logging's last-resort handler). A logger that has handlers already (an application's
+    logging setup, pytest's capture) is left as it is. ``train``: kept for the callers."""
+    logger = logging.getLogger("showattendtell")
     if logger.handlers:
         yield
         return

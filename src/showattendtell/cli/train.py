@@ -59,8 +59,8 @@ class RunConfig:
             (null: only at epoch ends), for long runs that may be stopped mid-epoch: resume with
             --ckpt_path on whichever of it and last.ckpt is newer.
         threads: CPU threads for the network when training on the CPU (null: chosen for the
-            machine, its cores less its load: on a 2-core machine busy with other work one
-            thread trained 7x faster than two). Said at the start.
+            machine, its cores less its load: threads that wait for a core slow every step).
+            Said at the start.
     """
 
     dir: str = "runs/default"
@@ -297,7 +297,7 @@ class SaveOnInterrupt(L.Callback):
         )
         self.saved = folder / INTERRUPTED_CHECKPOINT
         _count_steps_for_the_logger(trainer)
-        trainer.save_checkpoint(self.saved)
+        trainer.save_checkpoint(self.saved, weights_only=False)  # a whole one, to resume
 
 
 def _count_steps_for_the_logger(trainer: L.Trainer) -> None:
@@ -405,8 +405,8 @@ def build_cli(
 def cpu_threads(given: int | None, cores: int, load: float) -> int:
     """The CPU threads to train with: ``given`` (--run.threads), else the cores the machine's
     other work leaves (``load``: its one-minute load average), at least one. Threads that
-    wait for a core slow every step: torch's default of one per core took 7x longer a step
-    than one thread on a 2-core machine running other jobs (README's one-minute try)."""
+    wait for a core slow every step: torch's default of one per core made the README's
+    one-minute try many times slower on a 2-core machine running other jobs."""
     if given:
         return given
     return max(1, min(cores, round(cores - load)))

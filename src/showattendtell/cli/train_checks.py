@@ -35,7 +35,7 @@ def check_config_files(args: list[str]) -> None:
 def check_before_imports(args: list[str]) -> None:
     """What `sat train` / `sat features` can check from the command line and its config files
     alone, before Lightning and torch are imported (seconds): the config files are there, and
-    the dataset folder (--data.root, or the configs' data.root) is a folder. The same checks
+    the dataset folder typed (--data.root) is a folder. The same checks
     run again once LightningCLI has parsed everything; these only answer sooner."""
     from showattendtell.training.config_files import expand_bases
 
@@ -45,14 +45,17 @@ def check_before_imports(args: list[str]) -> None:
         return
     check_config_files(args)
     data: dict = {}
+    typed_root = None
     for option, value in _options(expand_bases(args)):
         if option == "--config":
             data.update(_yaml_data(Path(value)))
         elif option in ("--data.root", "--data.dataset"):
             data[option.split(".", 1)[1]] = value
-    root = data.get("root")
-    if isinstance(root, str) and root:
-        check_dataset_root("--data.root", root, data.get("dataset") or "flickr8k")
+            typed_root = value if option == "--data.root" else typed_root
+    # only a root typed on the command line (a config's is checked after the full parse, which
+    # says first what else is wrong with the command)
+    if typed_root:
+        check_dataset_root("--data.root", typed_root, data.get("dataset") or "flickr8k")
 
 
 def _options(args: list[str]) -> list[tuple[str, str]]:
