@@ -64,7 +64,8 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def sat_ray(args: list[str], model: Path, cluster, cwd: Path | None = None) -> list[str]:
+def sat_ray(args: list[str], model: Path, cluster) -> list[str]:
+    """`sat caption ARGS` on the test cluster, in batches of 4 (main's argv)."""
     argv = ["caption", *args, "--model", str(model), "--batch-size", "4", "--engine", "ray"]
     return [*argv, "--address", cluster.address]
 
@@ -163,7 +164,9 @@ def test_a_killed_actor_and_a_killed_decoding_task_cost_nothing(
         decode=killing_decode,
         captioning=KillingCaption,
     ).take_all()
-    assert Path(str(actor_marker) + ".taken").exists() and Path(str(task_marker) + ".taken").exists()
+    assert (
+        Path(str(actor_marker) + ".taken").exists() and Path(str(task_marker) + ".taken").exists()
+    )
     got = sorted((json.loads(r["record"]) for r in out), key=lambda r: r["path"])
     assert [r["path"] for r in got] == paths  # every photo exactly once
     assert got == sorted(one_process, key=lambda r: r["path"])

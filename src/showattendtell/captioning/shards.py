@@ -88,7 +88,9 @@ def write_shard(
     tmp = folder / f".{path.name}.tmp"
     try:
         if fmt == "jsonl":
-            text = "".join(json.dumps(d, ensure_ascii=False, allow_nan=False) + "\n" for d in records)
+            text = "".join(
+                json.dumps(d, ensure_ascii=False, allow_nan=False) + "\n" for d in records
+            )
             with open(tmp, "wb") as f:
                 f.write(text.encode("utf-8", "backslashreplace"))
                 f.flush()

@@ -265,7 +265,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_on_ray(args: argparse.Namespace) -> int:
     """--engine ray: its job, or one line saying how to install Ray."""
     if importlib.util.find_spec("ray") is None:
-        raise UsageError("--engine ray needs Ray: pip install 'showattendtell[ray]' (or 'ray[data]')")
+        raise UsageError(
+            "--engine ray needs Ray: pip install 'showattendtell[ray]' (or 'ray[data]')"
+        )
     from showattendtell.cli import caption_ray
 
     return caption_ray.run(args)

@@ -302,10 +302,10 @@ def _caption(args, plan, resume, fmt, decoding, made_by, folder: bool, next_shar
     try:
         ds = _dataset(args, plan.todo, decoding)
         out = _Out(args, fmt, plan, resume, made_by, folder, next_shard)
-        show = sys.stderr.isatty() and (args.output is not None or sys.stdout.isatty())
-        with Progress(
-            len(plan.todo), "captioning", enabled=True if show else None
-        ) as progress:
+        # a bar on a terminal unless the records go to a pipe; log lines when stderr is no terminal
+        bar = sys.stderr.isatty() and (args.output is not None or sys.stdout.isatty())
+        show = True if bar else (False if sys.stderr.isatty() else None)
+        with Progress(len(plan.todo), "captioning", enabled=show) as progress:
             for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
                 for index, record in zip(batch["index"], batch["record"], strict=True):
                     n = out.add(int(index), json.loads(str(record)))
@@ -349,4 +349,3 @@ def _caption(args, plan, resume, fmt, decoding, made_by, folder: bool, next_shar
     if interrupted:
         return interrupted
     return 1 if failures else 0
-
