@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -153,17 +154,18 @@ def test_a_killed_actor_and_a_killed_decoding_task_cost_nothing(
 
     if not ray.is_initialized():
         ray.init(address=cluster.address, log_to_driver=False)
+    # the workers cannot import this test module: its functions travel by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     paths = sorted(str(p) for p in photos.iterdir())
     ds = ray.data.from_items(
         [{"index": i, "path": p} for i, p in enumerate(paths)], override_num_blocks=6
     )
-    out = caption_dataset(
-        ds,
-        tiny_model_file,
-        batch_size=4,
-        decode=killing_decode,
-        captioning=KillingCaption,
-    ).take_all()
+    try:
+        out = caption_dataset(
+            ds, tiny_model_file, batch_size=4, decode=killing_decode, captioning=KillingCaption
+        ).take_all()
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert (
         Path(str(actor_marker) + ".taken").exists() and Path(str(task_marker) + ".taken").exists()
     )

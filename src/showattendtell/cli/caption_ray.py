@@ -322,6 +322,9 @@ def _caption(args, plan, resume, fmt, decoding, made_by, folder: bool, next_shar
         return 1
     except OSError as e:
         error = f"cannot write to {args.output or 'standard output'}: {e.strerror or e}"
+    except (ray.exceptions.RayError, ray.exceptions.UserCodeException) as e:
+        # a stage failed for good (after Ray's retries): one line; Ray's log has the rest
+        error = f"the Ray job stopped ({str(e).strip().splitlines()[-1][:300]})"
     finally:
         if out is not None:
             out.close()
