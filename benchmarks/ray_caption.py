@@ -33,19 +33,23 @@ def timed_run(command: list[str], out: Path, photos: int, stdin) -> dict:
     lines = 0
     while proc.poll() is None:
         if out.is_file():
-            lines = out.read_bytes().count(b"\n")
+            lines = lines_in(out)
             if lines and first is None:
                 first = (time.monotonic(), lines)
         time.sleep(0.02)
     end = time.monotonic()
     err = proc.stderr.read()
-    if proc.returncode not in (0, 1) or out.read_bytes().count(b"\n") != photos:
+    if proc.returncode not in (0, 1) or not out.is_file() or lines_in(out) != photos:
         sys.exit(f"{' '.join(command)} failed ({proc.returncode}):\n{err[-2000:]}")
     if first is None:  # finished between two polls
         first = (end, photos)
     t_first, n_first = first
     rate = (photos - n_first) / (end - t_first) if end > t_first else float("nan")
     return {"startup_s": t_first - start, "photos_per_s": rate, "total_s": end - start}
+
+
+def lines_in(path: Path) -> int:
+    return path.read_bytes().count(b"\n")
 
 
 def main() -> None:
@@ -58,6 +62,9 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=1, help="Ray: captioning actors")
     p.add_argument("--address", default=None, help="Ray: a cluster to join")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument(
+        "--engines", nargs="+", choices=("one process", "ray"), default=["one process", "ray"]
+    )
     a = p.parse_args()
     photos = sorted(a.images.glob("*.jpg"))[: a.photos]
     if len(photos) < a.photos:
@@ -71,9 +78,11 @@ def main() -> None:
             base += ["--model", a.model]
         ray = ["--engine", "ray"] + (["--devices", str(a.devices)] if a.devices > 1 else [])
         ray += ["--address", a.address] if a.address else []
-        runs: dict[str, list[dict]] = {"one process": [], "ray": []}
+        runs: dict[str, list[dict]] = {name: [] for name in a.engines}
         for r in range(a.rounds):
             for name, extra in (("one process", []), ("ray", ray)):
+                if name not in a.engines:
+                    continue
                 out = Path(tmp) / f"{name.replace(' ', '-')}-{r}.jsonl"
                 with open(listing) as stdin:
                     command = [*base, "-o", str(out), *extra]
@@ -82,13 +91,14 @@ def main() -> None:
     summary = {
         name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()
     }
-    one, on_ray = summary["one process"], summary["ray"]
     print(f"{'':12} {'start-up':>10} {'photos/s once running':>22} {'total':>8}")
     for name, s in summary.items():
-        print(f"{name:12} {s['startup_s']:9.1f}s {s['photos_per_s']:22.1f} {s['total_s']:7.1f}s")
-    ratio = on_ray["photos_per_s"] / one["photos_per_s"]
-    print(f"ray / one process, once running: {ratio:.0%}")
-    print(json.dumps({"photos": len(photos), "ratio": ratio, **{k: v for k, v in summary.items()}}))
+        print(f"{name:12} {s['startup_s']:9.1f}s {s['photos_per_s']:22.2f} {s['total_s']:7.1f}s")
+    ratio = None
+    if len(summary) == 2:
+        ratio = summary["ray"]["photos_per_s"] / summary["one process"]["photos_per_s"]
+        print(f"ray / one process, once running: {ratio:.0%}")
+    print(json.dumps({"photos": len(photos), "ratio": ratio, **summary}))
 
 
 if __name__ == "__main__":
