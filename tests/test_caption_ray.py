@@ -220,3 +220,47 @@ def test_usage_errors_before_any_work(photos, capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert main([*base, "--engine", "ray"]) == 2
     assert "pip install 'showattendtell[ray]'" in capsys.readouterr().err
+
+
+def test_records_handed_over_twice_or_out_of_order_are_written_once_in_order(tmp_path):
+    """The driver's side alone: Ray hands back blocks in any order, and a retried task's block
+    may come twice; the file gets each record once, in input order."""
+    from argparse import Namespace
+
+    from showattendtell.cli.caption_job import Plan
+    from showattendtell.cli.caption_ray import _Out
+
+    out = tmp_path / "out.jsonl"
+    args = Namespace(output=str(out), with_attention=False, resume=False)
+    plan = Plan(["a", "b", "c"], 0, None)
+    rec = {p: {"path": p, "caption": f"a {p}", "model": "m"} for p in "abc"}
+    sink = _Out(args, "jsonl", plan, None, {}, folder=False, next_shard=0)
+    assert sink.add(1, rec["b"]) == 0  # waits for a
+    assert sink.add(0, rec["a"]) == 2
+    assert sink.add(1, rec["b"]) == 0  # again: dropped
+    assert sink.add(2, {"path": "c", "error": "not an image file"}) == 1
+    sink.close()
+    assert [json.loads(line)["path"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
+    assert (sink.ok, [r.path for r in sink.failures]) == (2, ["c"])
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_shards_are_read_back_for_resume_and_foreign_ones_refused(tmp_path, fmt):
+    from showattendtell.captioning import shards
+    from showattendtell.outputs import OutputError
+
+    made_by = {"model": "tiny", "decoding": {"beam_size": 1, "precision": "32"}}
+    caption = {"path": "a.png", "caption": "red", "score": -1.0, "log_prob": -1.0}
+    caption.update(words=["red"], familiarity=None, **made_by)
+    shards.write_shard(tmp_path, 0, fmt, [caption, {"path": "b.png", "error": "empty"}], False)
+    shards.write_shard(tmp_path, 3, fmt, [{"path": "a.png", "error": "gone"}], False)
+    assert shards.next_number(tmp_path) == 4
+    assert not list(tmp_path.glob(".*.tmp"))  # renamed into place
+    point = shards.scan_shards(tmp_path, fmt, with_attention=False)
+    assert point.done == {"a.png": 2, "b.png": 1}
+    assert point.made_by == [made_by]
+    with pytest.raises(OutputError, match="with-attention"):
+        shards.scan_shards(tmp_path, fmt, with_attention=True)
+    (tmp_path / shards.shard_name(5, fmt)).write_text("notes\n")
+    with pytest.raises(OutputError, match="not a `sat caption`"):
+        shards.scan_shards(tmp_path, fmt, with_attention=False)
