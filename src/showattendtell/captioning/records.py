@@ -121,7 +121,11 @@ class Writer:
     def line(self, rec: Record) -> str:
         """The record as it goes into the file (one JSON line or one CSV row, newline included);
         several captioning processes format their own and one writes them all."""
-        d = record_dict(rec, self.with_attention, self.made_by)
+        return self.dict_line(record_dict(rec, self.with_attention, self.made_by))
+
+    def dict_line(self, d: dict) -> str:
+        """``line`` of a record already made into a dict (``record_dict``): the Ray engine's
+        records arrive from its actors as JSON objects."""
         if self.fmt == "jsonl":
             return json.dumps(d, ensure_ascii=False, allow_nan=False) + "\n"
         return _csv_line([_csv_cell(d.get(f)) for f in self.fields])

@@ -7,6 +7,7 @@ imported once they pass. It stays import-light (no torch): the CLI imports it to
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -50,6 +51,7 @@ def add_parser(sub) -> None:
     _add_speed_args(p)
     add_model_arg(p)
     _add_process_args(p)
+    _add_engine_args(p)
     add_device_args(p)
     add_decoding_args(p)
     p.set_defaults(func=run)
@@ -190,6 +192,44 @@ def _add_process_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Where the work runs: this machine, or a Ray cluster (cli/caption_ray.py)."""
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local (default: this machine's processes, --devices) or ray: a Ray cluster "
+        "decodes in tasks and captions in an actor pool, one actor a GPU or --devices N on "
+        "CPUs (pip install 'showattendtell[ray]'); -o FOLDER/ with --format parquet or jsonl "
+        "writes a folder of shards",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="with --engine ray: the cluster to join, auto (the one `ray start` started here) "
+        "or ray://HOST:PORT; default: start Ray on this machine for the run",
+    )
+
+
+def _check_engine_args(args: argparse.Namespace) -> bool:
+    """The checks of --engine ray; True when it is asked for (a folder output is then allowed)."""
+    if args.engine != "ray":
+        if args.address:
+            raise UsageError("--address is the Ray cluster to join: add --engine ray")
+        if args.format == "parquet":
+            raise UsageError("--format parquet writes a folder of shards: add --engine ray")
+        return False
+    if args.num_nodes > 1:
+        raise UsageError("--num-nodes is for --engine local; Ray's cluster is its nodes")
+    if args.overlays:
+        raise UsageError("--engine ray writes no --overlays: use --engine local for them")
+    if args.decode_on == "gpu":
+        raise UsageError("--engine ray decodes on CPUs in Ray tasks: leave out --decode-on gpu")
+    if args.lanes is not None:
+        raise UsageError("--lanes is for --engine local: Ray captions with --devices actors")
+    return True
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if args.output == "-":
         args.output = None
@@ -205,7 +245,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--batch-size must be at least 1")
     if args.workers is not None and args.workers < 0:
         raise UsageError("--workers must be 0 or more")
-    if args.output and os.path.isdir(args.output):
+    ray = _check_engine_args(args)
+    if args.output and os.path.isdir(args.output) and not ray:
         raise UsageError(f"--output {args.output} is a folder; give a file name")
     same = args.output and args.overlays
     if same and os.path.abspath(args.output) == os.path.abspath(args.overlays):
@@ -256,6 +297,19 @@ def _check_file_writable(path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     """The cheap checks first (a usage error answers at once), then the job and its imports."""
     _check_args(args)
+    if args.engine == "ray":
+        return _run_on_ray(args)
     from showattendtell.cli import caption_job
 
     return caption_job.run(args)
+
+
+def _run_on_ray(args: argparse.Namespace) -> int:
+    """--engine ray: its job, or one line saying how to install Ray."""
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError(
+            "--engine ray needs Ray: pip install 'showattendtell[ray]' (or 'ray[data]')"
+        )
+    from showattendtell.cli import caption_ray
+
+    return caption_ray.run(args)
