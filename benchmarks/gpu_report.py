@@ -30,12 +30,17 @@ batches. Parts, each also a field of the JSON line:
   the first caption and images/s once running (read off the output file as it grows), and
   the CPU the main process and the decoding processes used meanwhile (percent of one core).
 
+- ``service``: `sat serve --api-only` (the HTTP API without Gradio, which the GPU machine lacks)
+  in a subprocess on 127.0.0.1, bf16 on CUDA, beam 3: ``POST /v1/captions`` of one photo a
+  request from 1, 16 and 64 concurrent clients for ``--service-s`` seconds each after a warm-up:
+  captions/s and the p50 / p95 latency, milliseconds.
+
 ``--quick`` makes every part as small as it gets (the test suite's smoke test on a CPU).
 ``--output FILE`` rewrites FILE with the report so far after each part (a run cut short keeps
 what it measured). ``--parts`` runs only the named parts; by default all but ``bulk``, whose
 five runs take up to five times ``--bulk-limit-s`` (45 s each: the rate once running is
-measured by then): the default parts take about 6.5 minutes on an H100, by the time each took
-there (benchmarks/README.md).
+measured by then): the default parts other than ``service`` took about 6.5 minutes on an H100
+(benchmarks/README.md); ``service`` adds the server's start and three times ``--service-s``.
 """
 
 from __future__ import annotations
@@ -465,6 +470,124 @@ def input_size(report: dict[str, Any]) -> int:
     return load_model(None, "cpu").input_size
 
 
+SERVICE_CLIENTS = (1, 16, 64)
+
+
+def service(paths: list[str], device: str, quick: bool, seconds: float) -> dict[str, Any]:
+    """Requests/s and latency of the HTTP API served headless, as a replica behind a load
+    balancer runs: one photo a request, each client sending its next request when the answer
+    to the last one is in."""
+    gpu = device.startswith("cuda")
+    precision = "bf16" if gpu else "32"
+    port = _free_port()
+    cmd = [sys.executable, "-m", "showattendtell.cli", "serve", "--api-only", "--host",
+           "127.0.0.1", "--port", str(port), "--device", device, "--precision", precision,
+           "--beam-size", "3"]  # fmt: skip
+    out: dict[str, Any] = {"precision": precision, "beam_size": 3}
+    photos = [Path(p).read_bytes() for p in paths[: 2 if quick else 64]]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            t0 = time.perf_counter()
+            _wait_ready(url, server, 600)
+            out["ready_s"] = round(time.perf_counter() - t0, 1)
+            clients = (1,) if quick else SERVICE_CLIENTS
+            _load(url, photos, 2, 4)  # warm-up: the first batches of a shape are slow on a GPU
+            for n in clients:
+                out[f"clients_{n}"] = _load(url, photos, n, 4 if quick else None, seconds)
+        except Exception as e:  # noqa: BLE001 - say what the server said
+            log.seek(0)
+            out["error"] = f"{type(e).__name__}: {e}"
+            out["server_log"] = log.read().decode(errors="replace").splitlines()[-5:]
+        finally:
+            server.terminate()  # SIGTERM: the server finishes what is in flight and exits
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    import httpx  # the HTTP API's client: .gpu-payload carries it with FastAPI and uvicorn
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if server.poll() is not None:
+            raise RuntimeError(f"sat serve exited with status {server.returncode}")
+        try:
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)  # polling a server that is loading its models: nothing to wait on
+    raise TimeoutError(f"sat serve not ready after {timeout_s:.0f} s")
+
+
+def _load(
+    url: str, photos: list[bytes], clients: int, requests: int | None, seconds: float = 0.0
+) -> dict[str, Any]:
+    """``clients`` threads, each with its own connection, posting photos in turn: ``requests``
+    each, or as many as fit in ``seconds``. Captions/s over the whole, latency percentiles."""
+    import threading
+
+    import httpx
+
+    latencies: list[float] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+    end_at: list[float] = []
+
+    def client(k: int) -> None:
+        with httpx.Client(base_url=url, timeout=300) as http:
+            start.wait()
+            i = 0
+            while (requests is not None and i < requests) or (
+                requests is None and time.perf_counter() < end_at[0]
+            ):
+                photo = photos[(k + i * clients) % len(photos)]
+                t = time.perf_counter()
+                r = http.post("/v1/captions", files=[("images", ("photo.jpg", photo))])
+                took = time.perf_counter() - t
+                with lock:
+                    if r.status_code == 200:
+                        latencies.append(took)
+                    else:
+                        failures.append(f"{r.status_code}: {r.text[:200]}")
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    end_at.append(t0 + seconds)
+    start.wait()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    ms = sorted(x * 1000 for x in latencies)
+    out: dict[str, Any] = {
+        "requests": len(latencies),
+        "captions_per_s": round(len(latencies) / elapsed, 1),
+        "p50_ms": round(ms[len(ms) // 2], 1) if ms else None,
+        "p95_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.95))], 1) if ms else None,
+    }
+    if failures:
+        out["failures"] = len(failures)
+        out["first_failure"] = failures[0]
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu")
@@ -482,6 +605,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=45.0,
         help="a bulk run still going after this many seconds is stopped (its rate stands)",
     )
+    ap.add_argument(
+        "--service-s",
+        type=float,
+        default=20.0,
+        help="seconds of load for each number of clients in the service part",
+    )
     ap.add_argument("--output", default=None, help="also write the report here, part by part")
     ap.add_argument(
         "--parts",
@@ -493,7 +622,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-PARTS = ("agreement", "captioning", "training", "startup", "decoding", "sat_train", "bulk")
+PARTS = (
+    "agreement",
+    "captioning",
+    "training",
+    "startup",
+    "decoding",
+    "sat_train",
+    "bulk",
+    "service",
+)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -523,6 +661,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "training": lambda: training(dev, q),
         "sat_train": lambda: sat_train(paths, dev, q),
         "bulk": lambda: bulk(paths, dev, 8 if q else args.bulk, q, args.bulk_limit_s),
+        "service": lambda: service(paths, dev, q, args.service_s),
     }
     with contextlib.nullcontext() if q else bytecode_cache():  # a smoke test times nothing
         for name in PARTS:

@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("agreement", "captioning", "training", "startup", "decoding", "sat_train", "bulk")
+PARTS = (
+    "agreement",
+    "captioning",
+    "training",
+    "startup",
+    "decoding",
+    "sat_train",
+    "bulk",
+    "service",
+)
 
 
 @pytest.mark.slow
@@ -42,6 +51,9 @@ def test_gpu_report_runs_every_part_on_a_cpu():
     assert report["sat_train"]["exit"] == 0, report["sat_train"]
     assert report["bulk"]["greedy"]["captioned"] == 8, report["bulk"]  # all photos, timed
     assert report["bulk"]["greedy"]["first_caption_s"] > 0
+    served = report["service"]  # `sat serve --api-only` under load, one client in the smoke test
+    assert "error" not in served, served
+    assert served["clients_1"]["requests"] == 4 and served["clients_1"]["p95_ms"] > 0
 
 
 def test_train_benchmark_asks_to_be_run_as_a_module():

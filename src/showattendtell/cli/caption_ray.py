@@ -22,6 +22,7 @@ from typing import Any
 from showattendtell.captioning.captioner import load_model
 from showattendtell.captioning.catalog import resolve_models
 from showattendtell.captioning.pipeline import Record
+from showattendtell.captioning.ray_engine import caption_dataset
 from showattendtell.captioning.records import (
     ResumePoint,
     Writer,
@@ -197,8 +198,6 @@ def _dataset(args: argparse.Namespace, todo: list[str], decoding: dict[str, Any]
     batches, so that many decoding tasks can run at once."""
     import pyarrow as pa
     import ray
-
-    from showattendtell.captioning.ray_engine import caption_dataset
 
     rows = max(args.batch_size * 4, 1)
     tables = []
