@@ -582,4 +582,3 @@ def test_resume_continues_a_csv_written_before_the_sha256_column(
     new = list(csv.reader(data[len(old) :].decode().splitlines()))
     assert data.startswith(old) and len(new) == len(images) - 1
     assert {len(r) for r in new} == {9} and {r[7] for r in new} == {"tiny"}
-

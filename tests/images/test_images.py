@@ -64,9 +64,10 @@ def test_a_reduced_jpeg_stays_upright():
 
 
 def test_every_entry_point_feeds_the_encoder_the_same_reduced_photo(tiny_model_file, tmp_path):
+    from showattendtell.service.uploads import read_upload
+
     from showattendtell.captioning.captioner import load_model
     from showattendtell.images.files import load_image
-    from showattendtell.service.uploads import read_upload
 
     path = tmp_path / "big.jpg"
     path.write_bytes(save(photo(2400, 1800), "JPEG", quality=90))

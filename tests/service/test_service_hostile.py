@@ -21,7 +21,6 @@ from helpers.photos import photo
 gr = pytest.importorskip("gradio")
 import httpx  # noqa: E402
 from helpers.service import free_port, server, service, tiny_expected_file  # noqa: E402, F401
-
 from showattendtell.service.app import launch  # noqa: E402
 from showattendtell.service.blocks import EXAMPLE_PHOTO  # noqa: E402
 from showattendtell.service.guard import DISK_FULL, Guard  # noqa: E402
@@ -155,7 +154,6 @@ def test_a_full_disk_gets_a_message_and_the_service_recovers(
 ):
     from gradio import route_utils
     from gradio_client import Client, handle_file
-
     from showattendtell.service import captioning
 
     def full(*args, **kwargs):

@@ -245,6 +245,7 @@ DECODING_OPTIONS: dict[str, DecodingOption] = {
     f.name: replace(f.metadata["option"], name=f.name) for f in fields(DecodingConfig)
 }
 
+
 def check_overrides(**overrides: Any) -> dict[str, Any]:
     """The given options (None: not given), each checked on its own before a model is loaded:
     an unknown name or a value out of its range is a DecodingError. What depends on another
