@@ -305,3 +305,32 @@ def test_sizes_a_header_asks_for_are_checked_before_anything_is_allocated(
         read_model(path)
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"{path}: ") and said in message
+
+
+def test_a_full_disk_while_saving_is_an_os_error_and_keeps_the_old_file(
+    tiny_model_file, tmp_path, monkeypatch
+):
+    """safetensors reports a full disk as a SafetensorError: as the OSError it is (which `sat
+    export` says in one line), the half-written file removed, the file at the path untouched."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    import showattendtell.model_file as model_file
+
+    def full(state, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half")
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    model, decoding, _ = read_model(tiny_model_file)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"the old model")
+    monkeypatch.setattr(model_file, "save_file", full)
+    with pytest.raises(OSError) as e:
+        save_model(model, path, decoding)
+    assert e.value.errno == errno.ENOSPC and "No space left on device" in str(e.value)
+    assert path.read_bytes() == b"the old model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

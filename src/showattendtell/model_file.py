@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -78,12 +79,26 @@ def save_model(
         meta["consensus"] = json.dumps(description)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp), metadata=meta)
+    try:
+        save_file(state, str(tmp), metadata=meta)
+    except SafetensorError as e:  # its I/O errors (a full disk) are this, not an OSError
+        tmp.unlink(missing_ok=True)
+        raise _as_os_error(e, tmp) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # readable like any other file (installed as package data)
     tmp.replace(path)
     return path
+
+
+def _as_os_error(e: SafetensorError, path: Path) -> OSError:
+    """safetensors' error for a failed write ("I/O error: No space left on device (os error 28)")
+    as the OSError it wraps, so that callers handle a full disk as any other write error."""
+    found = re.search(r"(?:os error|code:) (\d+)", str(e))
+    if found is None:
+        return OSError(f"safetensors could not write {path}: {str(e)[:200]}")
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def _read_header(path: Path) -> dict[str, str]:
