@@ -3,9 +3,9 @@
 A large but tiny-on-disk image (a PNG of one grey level compresses to almost nothing) is what
 an upload limit by file size lets through: what decoding it costs is what matters. Each case
 runs in its own process and reports the rise of the peak resident set (ru_maxrss) across one
-``open_image`` call, after the imports.
+``open_image`` call (``--threads N``: N at once), after the imports.
 
-    python benchmarks/decode_memory.py --side 8000
+    python benchmarks/decode_memory.py --side 8000 --threads 4
 """
 
 from __future__ import annotations
@@ -18,10 +18,15 @@ import tempfile
 from pathlib import Path
 
 CHILD = """
-import resource, sys
+import resource, sys, threading
 from showattendtell.images.files import open_image
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-img = open_image(sys.argv[1])
+n = int(sys.argv[2])
+threads = [threading.Thread(target=open_image, args=(sys.argv[1],)) for _ in range(n)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print((after - before) // 1024)
 """
@@ -40,10 +45,14 @@ def write_cases(folder: Path, side: int) -> dict[str, Path]:
     return cases
 
 
-def peak_rise_mb(path: Path) -> int:
-    """The rise in MB of the peak resident set of a fresh process decoding ``path``."""
+def peak_rise_mb(path: Path, threads: int) -> int:
+    """The rise in MB of the peak resident set of a fresh process decoding ``path`` in
+    ``threads`` threads at once (as the web service's workers may)."""
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", CHILD, str(path), str(threads)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return int(out.stdout.split()[-1])
 
@@ -51,14 +60,16 @@ def peak_rise_mb(path: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", type=int, default=8000, help="image side in pixels")
+    parser.add_argument("--threads", type=int, default=1, help="decode it in N threads at once")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cases = write_cases(Path(tmp), args.side)
         results = {}
         for name, path in cases.items():
-            results[name] = {"file_kb": path.stat().st_size // 1024, "peak_mb": peak_rise_mb(path)}
+            peak = peak_rise_mb(path, args.threads)
+            results[name] = {"file_kb": path.stat().st_size // 1024, "peak_mb": peak}
             print(f"{name}: {results[name]['file_kb']} KB file, +{results[name]['peak_mb']} MB")
-    print(json.dumps({"side": args.side, **results}))
+    print(json.dumps({"side": args.side, "threads": args.threads, **results}))
 
 
 if __name__ == "__main__":

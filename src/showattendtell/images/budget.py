@@ -13,8 +13,6 @@ and a service that decoded four such uploads once stayed gigabytes larger for go
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -25,17 +23,26 @@ DEFAULT_PIXELS = 128_000_000
 TRIM_AFTER_PIXELS = 8_000_000
 
 
-def _malloc_trim() -> Callable[[], object] | None:
-    """glibc's ``malloc_trim(0)`` (None elsewhere: musl, macOS, Windows free differently)."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return lambda: trim(0)
+def malloc_trim() -> None:
+    """glibc's ``malloc_trim(0)``: the free memory of every arena back to the system. Nothing
+    elsewhere (musl, macOS, Windows: no such call), where this is looked up once, when first
+    needed (not at import: `sat caption` starts without it)."""
+    global _trim
+    if _trim is None:
+        import ctypes
+
+        try:  # the symbols the process has loaded: glibc's, where it runs on glibc
+            found = getattr(ctypes.CDLL(None), "malloc_trim", None)
+        except OSError:
+            found = None
+        if found is not None:
+            found.argtypes, found.restype = [ctypes.c_size_t], ctypes.c_int
+        _trim = found or False
+    if _trim:
+        _trim(0)
+
+
+_trim = None  # malloc_trim's function once looked up; False where there is none
 
 
 class PixelBudget:
@@ -82,4 +89,4 @@ def _default_pixels() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_PIXELS
 
 
-DECODE_BUDGET = PixelBudget(_default_pixels(), trim=_malloc_trim())
+DECODE_BUDGET = PixelBudget(_default_pixels(), trim=malloc_trim)
