@@ -364,3 +364,15 @@ def test_export_of_a_plain_pickle_prints_only_its_error_line(tmp_path, capsys):
     assert not [w for w in caught if "pickle protocol" in str(w.message)]
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and err.startswith(f"error: checkpoint: {src} is not a")
+
+
+def test_the_allow_list_reads_paths_and_nothing_that_runs(tmp_path, monkeypatch):
+    """A checkpoint whose hyperparameters hold a pathlib path (a setting given as one) loads;
+    the allow-list adds only such plain types to torch's own."""
+    from showattendtell.training.lit_module import read_checkpoint
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    ckpt = tmp_path / "paths.ckpt"
+    hparams = {"vocab": ["a"], "root": Path("data/flickr8k")}
+    torch.save({"state_dict": {}, "hyper_parameters": hparams}, ckpt)
+    assert read_checkpoint(ckpt)["hyper_parameters"]["root"] == Path("data/flickr8k")
