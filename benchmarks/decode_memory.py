@@ -38,9 +38,7 @@ def write_cases(folder: Path, side: int) -> dict[str, Path]:
     from PIL import Image
 
     cases = {"16-bit grey PNG": folder / "grey16.png", "8-bit RGB PNG": folder / "rgb8.png"}
-    Image.fromarray(np.full((side, side), 30000, dtype=np.uint16), "I;16").save(
-        cases["16-bit grey PNG"]
-    )
+    Image.fromarray(np.full((side, side), 30000, dtype=np.uint16)).save(cases["16-bit grey PNG"])
     Image.new("RGB", (side, side), (120, 90, 60)).save(cases["8-bit RGB PNG"])
     return cases
 
