@@ -19,6 +19,7 @@ RANKS = {
     "errors": 0,
     "progress": 0,
     "outputs": 0,
+    "torch_files": 0,
     "kernels": 1,
     "network": 2,
     "search": 3,

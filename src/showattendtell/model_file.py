@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from showattendtell.errors import UsageError, UserError
 from showattendtell.model import CaptionModel
-from showattendtell.network.decoder import DecoderConfig
+from showattendtell.network.decoder import Decoder, DecoderConfig
 from showattendtell.network.encoder import EncoderConfig
 from showattendtell.network.vocab import Vocabulary
 from showattendtell.search.consensus import ConsensusIndex
@@ -78,12 +79,26 @@ def save_model(
         meta["consensus"] = json.dumps(description)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp), metadata=meta)
+    try:
+        save_file(state, str(tmp), metadata=meta)
+    except SafetensorError as e:  # its I/O errors (a full disk) are this, not an OSError
+        tmp.unlink(missing_ok=True)
+        raise _as_os_error(e, tmp) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # readable like any other file (installed as package data)
     tmp.replace(path)
     return path
+
+
+def _as_os_error(e: SafetensorError, path: Path) -> OSError:
+    """safetensors' error for a failed write ("I/O error: No space left on device (os error 28)")
+    as the OSError it wraps, so that callers handle a full disk as any other write error."""
+    found = re.search(r"(?:os error|code:) (\d+)", str(e))
+    if found is None:
+        return OSError(f"safetensors could not write {path}: {str(e)[:200]}")
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def _read_header(path: Path) -> dict[str, str]:
@@ -118,6 +133,19 @@ def _read_header(path: Path) -> dict[str, str]:
             f"reads version {VERSION}: upgrade the package"
         )
     return meta
+
+
+def _tensor_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape, from the safetensors header (no tensor is read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ModelFileError(
+            f"{path} is not a valid model file (truncated or another format): {e}"
+        ) from None
 
 
 _IMAGE_STARTS = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM", b"II*\x00", b"MM\x00*")
@@ -177,6 +205,60 @@ def _parse_header(path: Path, meta: dict[str, str]):
     return encoder, decoder, decoding, vocab, info
 
 
+# Sizes of the description that no tensor of the file bounds (no weights depend on them), kept
+# to what a caption model can use: an image side of 4096 px is 200 MB a photo as float32.
+_MAX_INPUT_SIZE = 4096
+_MAX_GRID_SIZE = 64
+
+
+def _check_sizes(path: Path, encoder: EncoderConfig, decoder: DecoderConfig) -> None:
+    """The description's sizes are whole numbers in range (a string or a float would fail deep
+    in torch, a huge image side at the first photo), said in one line."""
+    wanted = {
+        "encoder.input_size": (encoder.input_size, 1, _MAX_INPUT_SIZE),
+        "encoder.grid_size": (encoder.grid_size, 1, _MAX_GRID_SIZE),
+        "decoder.embed_dim": (decoder.embed_dim, 1, None),
+        "decoder.hidden_dim": (decoder.hidden_dim, 1, None),
+        "decoder.attention_dim": (decoder.attention_dim, 1, None),
+    }
+    for name, (value, low, high) in wanted.items():
+        if value is None and name == "encoder.grid_size":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ModelFileError(
+                f"{path}: damaged model description ({name} is {value!r}, not a whole number)"
+            )
+        if value < low or (high is not None and value > high):
+            limit = f"{low}..{high}" if high is not None else f"{low} or more"
+            raise ModelFileError(
+                f"{path}: damaged model description ({name} {value}: must be {limit})"
+            )
+    dropout = decoder.dropout
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ModelFileError(f"{path}: damaged model description (decoder.dropout {dropout!r})")
+
+
+def _check_decoder_shapes(
+    path: Path, encoder: EncoderConfig, decoder: DecoderConfig, vocab: Vocabulary, shapes: dict
+) -> None:
+    """The decoder the description asks for has the shapes of the file's tensors (``shapes``:
+    name -> shape, from the safetensors header), checked before anything is allocated: the
+    decoder is built on torch's meta device (shapes, no memory). safetensors has checked that
+    the file holds every tensor's bytes, so a description that asks for more than the file
+    holds (a hidden size of 200,000 in a 2 MB file) is refused here, not after gigabytes were
+    allocated. The encoder is a named backbone of fixed size (grid_size pools, no weights)."""
+    with torch.device("meta"):
+        ours = Decoder(len(vocab), encoder.feature_dim, decoder).state_dict()
+    for key, tensor in ours.items():
+        theirs = shapes.get("decoder." + key)
+        if theirs is None or tuple(theirs) != tuple(tensor.shape):
+            said = "missing" if theirs is None else str(tuple(theirs))
+            raise ModelFileError(
+                f"{path}: the weights do not match the model it describes (decoder.{key}: "
+                f"{said} in the file, {tuple(tensor.shape)} described)"
+            )
+
+
 def describe_model(path: str | Path) -> dict:
     """What `sat models` shows, from the header alone (fast: no weights are read)."""
     path = Path(path)
@@ -201,13 +283,15 @@ def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
     """Load a model file written by ``save_model`` (float32 on the CPU, in eval mode)."""
     path = Path(path)
     meta = _read_header(path)
+    encoder, decoder, decoding, vocab, info = _parse_header(path, meta)
+    _check_sizes(path, encoder, decoder)
+    _check_decoder_shapes(path, encoder, decoder, vocab, _tensor_shapes(path))
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
         raise ModelFileError(
             f"{path} is not a valid model file (truncated or another format): {e}"
         ) from None
-    encoder, decoder, decoding, vocab, info = _parse_header(path, meta)
     model = CaptionModel(vocab, encoder, decoder, load_encoder_weights=False)
     index = {
         k[len(CONSENSUS_PREFIX) :]: state.pop(k)

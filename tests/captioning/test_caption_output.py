@@ -4,6 +4,7 @@ only thing a resume may remove is one partial last record."""
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers.disk import filling
 from helpers.photos import write_photos
 
 from showattendtell.captioning.records import check_made_by, output_format, scan_output
@@ -582,3 +584,38 @@ def test_resume_continues_a_csv_written_before_the_sha256_column(
     new = list(csv.reader(data[len(old) :].decode().splitlines()))
     assert data.startswith(old) and len(new) == len(images) - 1
     assert {len(r) for r in new} == {9} and {r[7] for r in new} == {"tiny"}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_a_disk_full_mid_record_leaves_only_whole_records(fmt, tmp_path, monkeypatch):
+    """Any reader of the file, not only --resume, finds whole records: the one the disk cut
+    is taken back out before the error is reported."""
+    from showattendtell.captioning import records
+    from showattendtell.captioning.records import Writer
+
+    path = tmp_path / f"out.{fmt}"
+    path.write_text("")
+    filling(monkeypatch, records, whole=1)
+    writer = Writer(fmt, False, records.open_output(path, None))
+    writer.write_line("first whole record\n")
+    with pytest.raises(OSError) as e:
+        writer.write_line("a second record, longer than the room that is left\n")
+    assert e.value.errno == errno.ENOSPC
+    writer.stream.close()
+    assert path.read_text() == "first whole record\n"
+
+
+def test_sat_caption_on_a_disk_that_fills_keeps_whole_records(
+    images, tiny_model_file, tmp_path, monkeypatch, capsys
+):
+    from showattendtell.cli import caption as caption_command
+
+    out = tmp_path / "out.jsonl"
+    filling(monkeypatch, caption_command, whole=2)
+    assert caption(tmp_path, monkeypatch, tiny_model_file, *images, "-o", str(out)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: cannot write to {out}: No space left on device")
+    assert "--resume" in err[-1] and not any("Traceback" in line for line in err)
+    kept = out.read_text().splitlines(keepends=True)
+    assert len(kept) == 2 and all(json.loads(line)["path"] for line in kept)
+    assert all(line.endswith("\n") for line in kept)

@@ -261,3 +261,76 @@ def test_a_spatial_attention_model_round_trips_and_joins_an_ensemble(tiny_model_
     ]
     both = load_model(f"{tiny_model_file}+{after}", "cpu").caption(images, beam_size=3)
     assert all(r.caption and r.attention.shape == before[0].attention.shape for r in both)
+
+
+def _with_description(source, path, section: str, **changes):
+    """``source``'s weights under a header whose ``section`` (encoder, decoder) says otherwise."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(source), framework="pt") as f:
+        meta = f.metadata()
+    meta[section] = json.dumps({**json.loads(meta[section]), **changes})
+    save_file(load_file(str(source)), str(path), metadata=meta)
+    return path
+
+
+@pytest.mark.parametrize(
+    "section, changes, said",
+    [
+        ("decoder", {"hidden_dim": 12_000}, "(64, 2048) in the file, (12000, 2048) described"),
+        ("decoder", {"hidden_dim": 200_000}, "the weights do not match"),
+        ("decoder", {"hidden_dim": "32"}, "decoder.hidden_dim is '32', not a whole number"),
+        ("decoder", {"embed_dim": 3.5}, "decoder.embed_dim is 3.5"),
+        ("decoder", {"attention_dim": 0}, "decoder.attention_dim 0: must be 1 or more"),
+        ("encoder", {"input_size": 10**9}, "encoder.input_size 1000000000: must be 1..4096"),
+        ("encoder", {"grid_size": "7"}, "encoder.grid_size is '7'"),
+    ],
+)
+def test_sizes_a_header_asks_for_are_checked_before_anything_is_allocated(
+    section, changes, said, tiny_model_file, tmp_path, monkeypatch
+):
+    """A 2 MB file whose header asks for a hidden size of 12,000 allocated 3.3 GB before it was
+    refused; 200,000 (640 GB) ended in a traceback. The description is checked against the
+    file's tensors (their shapes in the safetensors header) before the model is built."""
+    import showattendtell.model_file as model_file
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the sizes were checked")
+
+    monkeypatch.setattr(model_file, "CaptionModel", no_model)
+    monkeypatch.setattr(model_file, "load_file", no_model)
+    path = _with_description(tiny_model_file, tmp_path / "big.safetensors", section, **changes)
+    with pytest.raises(ModelFileError) as err:
+        read_model(path)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{path}: ") and said in message
+
+
+def test_a_full_disk_while_saving_is_an_os_error_and_keeps_the_old_file(
+    tiny_model_file, tmp_path, monkeypatch
+):
+    """safetensors reports a full disk as a SafetensorError: as the OSError it is (which `sat
+    export` says in one line), the half-written file removed, the file at the path untouched."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    import showattendtell.model_file as model_file
+
+    def full(state, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half")
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    model, decoding, _ = read_model(tiny_model_file)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"the old model")
+    monkeypatch.setattr(model_file, "save_file", full)
+    with pytest.raises(OSError) as e:
+        save_model(model, path, decoding)
+    assert e.value.errno == errno.ENOSPC and "No space left on device" in str(e.value)
+    assert path.read_bytes() == b"the old model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

@@ -122,6 +122,81 @@ def test_a_ckpt_path_that_is_not_a_checkpoint_is_one_line(kind, synthetic_flickr
     assert not (run_dir / "logs").exists()
 
 
+def _plant(where: str, run_dir: Path, marker: Path) -> tuple[str, Path]:
+    """A checkpoint whose unpickling would create ``marker``, where --ckpt_path ``where``
+    (last, hpc, or a path) finds it: the --ckpt_path value and the file."""
+    file = {
+        "last": run_dir / "checkpoints" / "last.ckpt",
+        "hpc": run_dir / "hpc_ckpt_3.ckpt",
+        "path": run_dir / "elsewhere.ckpt",
+    }[where]
+    file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": {}, "hyper_parameters": {"vocab": []}, "x": _Tripwire(marker)}, file)
+    return (str(file) if where == "path" else where), file
+
+
+@pytest.mark.parametrize("where", ["last", "hpc", "path"])
+def test_a_malicious_checkpoint_never_runs_whatever_its_name_or_the_environment(
+    where, synthetic_flickr, tmp_path, capsys, monkeypatch
+):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 makes torch unpickle anything where a caller does not
+    pass weights_only: Lightning's own reading of last and hpc did not."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    run_dir, marker = tmp_path / "run", tmp_path / "unpickled"
+    value, file = _plant(where, run_dir, marker)
+    assert main([*tiny(synthetic_flickr, run_dir), "--ckpt_path", value]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: --ckpt_path: {file} is not a plain PyTorch file")
+    assert "weights_only" not in line and not marker.exists()
+    assert not (run_dir / "logs").exists()
+
+
+def test_lightning_reads_checkpoints_without_running_them(synthetic_flickr, tmp_path, monkeypatch):
+    """Whichever file Lightning itself picks (a SLURM requeue's, a checkpoint written after the
+    check), its reading goes through the run's SafeCheckpointIO."""
+    from showattendtell.model_file import ModelFileError
+    from showattendtell.training.checkpoint_io import SafeCheckpointIO
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    cli = train_command.build_cli(tiny(synthetic_flickr, tmp_path / "run")[1:])
+    assert isinstance(cli.trainer.strategy.checkpoint_io, SafeCheckpointIO)
+    marker = tmp_path / "unpickled"
+    _, file = _plant("path", tmp_path, marker)
+    with pytest.raises(ModelFileError, match="not a plain PyTorch file"):
+        cli.trainer.strategy.load_checkpoint(file)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_other_sizes_is_one_line(synthetic_flickr, tmp_path, capsys):
+    """Resuming with settings other than the run's (here the hidden size) is said before any
+    work, not in the size-mismatch traceback of load_state_dict."""
+    other = train_command.build_cli(
+        [*tiny(synthetic_flickr, tmp_path / "other")[1:], "--model.decoder.hidden_dim", "48"]
+    ).model
+    ckpt = tmp_path / "other.ckpt"
+    torch.save(
+        {"hyper_parameters": {"vocab": other.hparams.vocab}, "state_dict": other.state_dict()},
+        ckpt,
+    )
+    run_dir = tmp_path / "run"
+    assert main([*tiny(synthetic_flickr, run_dir), "--ckpt_path", str(ckpt)]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: --ckpt_path: {ckpt} holds a model of other sizes (")
+    assert "(48" in line and "config.yaml" in line
+    assert not (run_dir / "logs").exists()
+
+
+def test_a_malicious_encoder_weights_file_is_one_line(synthetic_flickr, tmp_path, capsys):
+    """torch's own message for it advises weights_only=False, i.e. running the file."""
+    marker, weights = tmp_path / "unpickled", tmp_path / "weights.pth"
+    torch.save({"conv1.weight": _Tripwire(marker)}, weights)
+    args = [*tiny(synthetic_flickr, tmp_path / "run"), "--model.encoder.weights", str(weights)]
+    assert main(args) == 1
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: encoder weights {weights}: not a plain PyTorch file")
+    assert "weights_only" not in line and not marker.exists()
+
+
 def test_a_new_run_in_a_run_folder_with_checkpoints_is_refused(synthetic_flickr, tmp_path, capsys):
     """Lightning would write last-v1.ckpt beside the old run's last.ckpt, and the new run's
     Ctrl-C would replace the old run's interrupted.ckpt: refused, naming the resume command of
@@ -372,3 +447,15 @@ def test_library_advice_is_not_printed(caplog):
             stacklevel=1,
         )
     assert not caught
+
+
+def test_the_allow_list_reads_paths_and_nothing_that_runs(tmp_path, monkeypatch):
+    """A checkpoint whose hyperparameters hold a pathlib path (a setting given as one) loads;
+    the allow-list adds only such plain types to torch's own."""
+    from showattendtell.training.lit_module import read_checkpoint
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    ckpt = tmp_path / "paths.ckpt"
+    hparams = {"vocab": ["a"], "root": Path("data/flickr8k")}
+    torch.save({"state_dict": {}, "hyper_parameters": hparams}, ckpt)
+    assert read_checkpoint(ckpt)["hyper_parameters"]["root"] == Path("data/flickr8k")

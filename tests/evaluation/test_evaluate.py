@@ -640,3 +640,28 @@ def test_stopped_while_scoring_says_where_the_captions_are_and_resume_scores_the
     assert json.loads(resumed.out.strip().splitlines()[-1])["CIDEr"] == 0.5
     assert json.loads(out.read_text()) == results
     assert not partial.exists() and not (tmp_path / "r.json.partial.json").exists()
+
+
+def test_a_disk_that_fills_while_captioning_is_one_line_and_keeps_whole_records(
+    model_file, tmp_path, monkeypatch, capsys
+):
+    """The partial file (what --resume reuses) holds whole records only after the disk filled
+    mid-record, and the run says what is kept and how to go on, without a traceback."""
+    from helpers.disk import filling
+
+    from showattendtell.captioning import records
+
+    no_java_needed(monkeypatch)
+    root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=4)
+    out, partial = tmp_path / "r.json", tmp_path / "r.json.partial.jsonl"
+    argv = flickr8k_argv(model_file, root, "--num-workers", "0", "--batch-size", "2", output=out)
+    filling(monkeypatch, records, whole=2)
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: cannot write {partial}: No space left on device; 2 of 4 images captioned are "
+        "kept there: free some space and run the same command with --resume"
+    ]
+    kept = partial.read_text().splitlines(keepends=True)
+    assert len(kept) == 2 and all(json.loads(line)["path"] for line in kept)
+    assert not out.exists()

@@ -421,3 +421,110 @@ def test_an_unreadable_sub_folder_is_reported_not_dropped(tmp_path, monkeypatch)
     assert unreadable == [(tmp_path / "locked", "permission denied")]
     with pytest.raises(UnreadableFolder, match="cannot read the folder .*locked: permission"):
         list_images([tmp_path], recursive=True)  # nobody to tell: no silent gap
+
+
+PEAK_RISE = """
+import resource, sys
+from showattendtell.images.files import open_image
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+img = open_image(sys.argv[1])
+assert img.mode == "RGB" and img.getpixel((0, 0)) == (117, 117, 117)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+def test_a_16_bit_png_decodes_without_float64_copies(tmp_path):
+    """A 16-bit PNG of 8000x8000 is 124 KB on disk and cost 1.6 GB more than a photo: it went
+    through four float64 copies of the whole image (25 bytes a pixel). Now under 12 bytes a
+    pixel (the file's 16-bit pixels, the 8-bit result, RGB), measured in a fresh process."""
+    import subprocess
+    import sys
+
+    side = 3000
+    path = tmp_path / "grey16.png"
+    Image.fromarray(np.full((side, side), 30000, np.uint16)).save(path)
+    assert Image.open(path).mode.startswith("I")
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_RISE, str(path)], capture_output=True, text=True, check=True
+    )
+    rise = int(out.stdout.split()[-1]) * 1024  # ru_maxrss: KB on Linux
+    assert rise < 12 * side * side, f"{rise / side**2:.1f} bytes a pixel"
+
+
+def test_16_and_32_bit_greyscale_convert_to_the_same_levels_as_before():
+    """round(value / 65535 x 255) (or / 255 when no value is over 255), block by block."""
+    from showattendtell.images import files
+
+    rng = np.random.default_rng(0)
+    cases = [
+        Image.fromarray(rng.integers(0, 65536, (70, 33), dtype=np.uint16)),
+        Image.fromarray(rng.integers(0, 70000, (70, 33)).astype(np.int32)),
+        Image.fromarray(rng.integers(0, 250, (70, 33)).astype(np.int32)),
+        Image.fromarray((rng.random((70, 33)) * 300).astype(np.float32)),
+    ]
+    for img in cases:
+        a = np.asarray(img).astype(np.float64)
+        hi = 65535.0 if img.mode.startswith("I;16") or a.max() > 255 else 255.0
+        expected = np.clip(a / hi * 255.0 + 0.5, 0, 255).astype(np.uint8)
+        for rows in (33, 33 * 7, 1 << 20):  # one row, 7 rows, the whole image at a time
+            files._ROWS_AT_ONCE = rows
+            try:
+                assert np.array_equal(files._to_8_bits(img), expected), (img.mode, rows)
+            finally:
+                files._ROWS_AT_ONCE = 1 << 20
+
+
+def test_the_pixels_decoded_at_once_stay_within_the_budget():
+    """A semaphore weighted by pixels: a decode that does not fit waits for one to end, one
+    over the whole budget decodes alone, and memory is handed back once none runs."""
+    import threading
+    import time
+
+    from showattendtell.images.budget import PixelBudget
+
+    trims = []
+    budget = PixelBudget(100, trim=lambda: trims.append(budget.in_use))
+    first = budget.decoding(80)
+    first.__enter__()
+    entered = threading.Event()
+
+    def second():
+        with budget.decoding(50):
+            entered.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    deadline = time.monotonic() + 10
+    while budget.waiting == 0 and time.monotonic() < deadline:  # until it waits on the budget
+        time.sleep(0.001)
+    assert budget.waiting == 1 and not entered.is_set() and budget.in_use == 80
+    first.__exit__(None, None, None)
+    assert entered.wait(10)
+    t.join(10)
+    assert budget.peak == 80 and budget.in_use == 0
+    with budget.decoding(500):  # over the whole budget: alone
+        assert budget.in_use == 500
+    assert budget.peak == 500 and trims == []  # below TRIM_AFTER_PIXELS: nothing handed back
+    with budget.decoding(9_000_000):
+        pass
+    assert trims == [0]  # handed back once no decode runs
+
+
+def test_open_image_decodes_within_the_process_budget(monkeypatch):
+    """Every decode, whichever thread asks (the service's workers), goes through one budget,
+    sized by the pixels decoded (a JPEG decoded reduced: its reduced size)."""
+    from showattendtell.images import files
+    from showattendtell.images.budget import PixelBudget
+
+    asked = []
+
+    class Recording(PixelBudget):
+        def decoding(self, pixels):
+            asked.append(pixels)
+            return super().decoding(pixels)
+
+    monkeypatch.setattr(files, "DECODE_BUDGET", Recording(10**9))
+    grey16 = Image.fromarray(np.full((30, 50), 30000, np.uint16))
+    assert open_image(save(grey16, "PNG")).getpixel((0, 0)) == (117, 117, 117)
+    open_image(save(photo(640, 480), "JPEG"), min_size=100)
+    assert asked == [50 * 30, 160 * 120] and files.DECODE_BUDGET.in_use == 0

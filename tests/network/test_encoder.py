@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import RESNET50_CAFFE, needs_resnet50
 
-from showattendtell.network.encoder import Encoder, EncoderConfig
+from showattendtell.network.encoder import Encoder, EncoderConfig, EncoderWeightsError
 
 
 @pytest.mark.parametrize(
@@ -77,12 +77,16 @@ def test_fingerprint_changes_with_what_changes_the_features():
 
 
 def test_bad_weights_files_are_refused(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(EncoderWeightsError, match="none.pth: not found"):
         Encoder(EncoderConfig(weights=str(tmp_path / "none.pth")))
     bad = tmp_path / "bad.pth"
     bad.write_text("not a checkpoint")
-    with pytest.raises(ValueError, match="not a plain PyTorch state-dict"):
+    with pytest.raises(EncoderWeightsError, match="not a plain PyTorch file"):
         Encoder(EncoderConfig(weights=str(bad)))
+    other = tmp_path / "other.pth"
+    torch.save({"conv1.weight": torch.zeros(2, 2)}, other)  # a state dict of another network
+    with pytest.raises(EncoderWeightsError, match="does not fit the backbone"):
+        Encoder(EncoderConfig(weights=str(other)))
 
 
 @needs_resnet50

@@ -12,10 +12,13 @@ Import-light (no torch): the CLI imports it when it builds its parser.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import os
 import re
+import stat
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -140,11 +143,30 @@ class Writer:
             sys.stdout.write(line)
             sys.stdout.flush()
             return
+        start = self._end()
         view = memoryview(data)
-        while view:
-            n = self.stream.write(view)
-            view = view[n:]
-        self.stream.flush()
+        try:
+            while view:
+                n = self.stream.write(view)
+                view = view[n:]
+            self.stream.flush()
+        except OSError:
+            # a full disk mid-record: cut the file back to its last whole record (cutting
+            # needs no space), so that any reader, not only --resume, finds whole records
+            if start is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self.stream.truncate(start)
+            raise
+
+    def _end(self) -> int | None:
+        """Where the next record starts: the end of the file (appended to), from the file
+        system, not the stream's position, which a truncation leaves behind; None for what is
+        no regular file (a pipe, /dev/full)."""
+        try:
+            st = os.fstat(self.stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _csv_cell(value) -> str:

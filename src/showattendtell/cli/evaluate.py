@@ -165,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
             )
     except KeyboardInterrupt as e:
         return partial.interrupted(e, len(made.done) + partial.written, len(images), args)
+    except OSError as e:  # a full disk: the captions written so far are kept, whole
+        return partial.write_failed(e, len(made.done) + partial.written, len(images))
     finally:
         partial.close()
     made.add(new)

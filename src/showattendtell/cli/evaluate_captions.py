@@ -219,6 +219,18 @@ class PartialCaptions:
                 path.unlink(missing_ok=True)
         self.release()  # the lock removes no file put at the path since: another run's
 
+    def write_failed(self, e: OSError, done: int, total: int) -> int:
+        """A full disk (or a vanished folder) while captioning: the partial file holds whole
+        records only (the Writer cut a record it could not finish), so say what is kept and
+        how to go on, in one line; exit status 1."""
+        self.release()
+        print(
+            f"error: cannot write {self.path}: {e.strerror or e}; {done} of {total} images "
+            "captioned are kept there: free some space and run the same command with --resume",
+            file=sys.stderr,
+        )
+        return 1
+
     def interrupted(
         self, e: KeyboardInterrupt, done: int, total: int, args, scoring: bool = False
     ) -> int:

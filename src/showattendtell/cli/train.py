@@ -32,9 +32,12 @@ from showattendtell.cli.train_checks import (
 )
 from showattendtell.data.datamodule import CaptionDataModule
 from showattendtell.errors import UsageError, UserError
+from showattendtell.model_file import ModelFileError
 from showattendtell.outputs import prepare_folder
+from showattendtell.torch_files import TorchFileError, read_torch_file
+from showattendtell.training.checkpoint_io import SafeCheckpointIO
 from showattendtell.training.config_files import BASE_KEY, expand_bases
-from showattendtell.training.lit_module import CaptionModule
+from showattendtell.training.lit_module import CaptionModule, read_checkpoint
 
 INTERRUPTED_CHECKPOINT = "interrupted.ckpt"
 
@@ -145,11 +148,7 @@ def run_loggers(run: RunConfig, ckpt_path: str | None = None) -> list:
     if csv_version is None:
         csv_logger = CSVLogger(run.dir, name="logs")
     else:
-        import torch
-
-        step = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get(
-            "global_step", 0
-        )
+        step = read_checkpoint(ckpt_path, "--ckpt_path", mmap=True).get("global_step", 0)
         csv_logger = ContinuedCSVLogger(
             run.dir, name="logs", version=csv_version, from_step=int(step)
         )
@@ -188,6 +187,7 @@ def run_callbacks(run: RunConfig) -> list[L.Callback]:
 
 class SatCLI(LightningCLI):
     check_run_dir = False  # `sat train`: the run folder must be writable before any work
+    resume_from: Path | None = None  # the checkpoint --ckpt_path names (check_resume_checkpoint)
 
     def __init__(self, *args, command_line: list[str] | None = None, **kwargs) -> None:
         # the arguments as the user typed them, for the commands an error line suggests
@@ -223,7 +223,9 @@ class SatCLI(LightningCLI):
         check_data_settings(self.config.data)
         if self.check_run_dir:
             check_run_settings(self.config.run)
-            check_resume_checkpoint(self.config.ckpt_path)
+            self.resume_from = check_resume_checkpoint(
+                self.config.ckpt_path, Path(self.config.run.dir)
+            )
             if self.config.ckpt_path is None:
                 check_new_run(Path(self.config.run.dir), self.command_line)
 
@@ -260,7 +262,16 @@ class SatCLI(LightningCLI):
         if trainer.get("logger") in (None, True):
             kwargs.setdefault("logger", run_loggers(run, self._get(self.config_init, "ckpt_path")))
         kwargs["callbacks"] = [*(trainer.get("callbacks") or []), *run_callbacks(run)]
+        # every checkpoint Lightning reads (--ckpt_path PATH, last, hpc, a SLURM requeue's)
+        # is read without running code it names, whatever torch's defaults or environment
+        kwargs["plugins"] = [*_as_list(trainer.get("plugins")), SafeCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 class TrainCLI(SatCLI):
@@ -445,6 +456,13 @@ def train(args: list[str]) -> int:
     status 130 (Ctrl-C) or 143 (SIGTERM)."""
     cli = build_cli(args, TrainCLI)
     _set_cpu_threads(cli)
+    if cli.resume_from is not None:  # before any work: the checkpoint fits this run's model
+        ckpt = read_checkpoint(cli.resume_from, "--ckpt_path", mmap=True)
+        try:
+            cli.model.check_checkpoint(ckpt, cli.resume_from)
+        except ModelFileError as e:
+            raise UsageError(str(e)) from None
+        del ckpt
     on_interrupt = SaveOnInterrupt()
     cli.trainer.callbacks.append(on_interrupt)
     try:
@@ -520,12 +538,11 @@ def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
     folder = Path(last.dirpath) if last is not None and last.dirpath else None
     stale = folder / INTERRUPTED_CHECKPOINT if folder is not None else None
     if stale is not None and stale.is_file():
-        import torch
-
         resumed = resumed_from is not None and Path(resumed_from).resolve() == stale.resolve()
-        step = torch.load(stale, map_location="cpu", weights_only=True, mmap=True).get(
-            "global_step", 0
-        )
+        try:
+            step = read_torch_file(stale, mmap=True).get("global_step", 0)
+        except TorchFileError:  # not one this run can have gone past: kept
+            step = trainer.global_step + 1
         if resumed or step <= trainer.global_step:
             stale.unlink()
             lines.append(f"removed {_shown(stale)} (this run went past it)")

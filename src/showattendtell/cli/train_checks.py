@@ -174,20 +174,53 @@ def check_run_settings(run) -> None:
         raise UsageError(f"--run.threads {threads}: must be 1 or more (or null: chosen)")
 
 
-def check_resume_checkpoint(ckpt_path: str | None) -> None:
-    """``--ckpt_path`` names a checkpoint of sat train, said in one line before any work.
-    Read as `sat export` reads one: never unpickling arbitrary objects (read_checkpoint).
-    ``last`` and ``hpc`` (no such files) are Lightning's names for the run's newest last*.ckpt
-    and SLURM requeue checkpoint."""
-    if ckpt_path is None or (ckpt_path in ("last", "hpc") and not Path(ckpt_path).exists()):
-        return
+def named_checkpoint(ckpt_path: str, run_dir: Path) -> Path | None:
+    """The file Lightning resumes from for ``--ckpt_path last`` or ``hpc`` (its names, no such
+    files): the newest last*.ckpt of the run's checkpoints, or the highest hpc_ckpt_N.ckpt of
+    the run folder (a SLURM requeue's); None when there is none (``last``: Lightning then
+    starts afresh, as a requeue script that always passes it expects)."""
+    if ckpt_path == "last":
+        found = [
+            p
+            for p in (run_dir / "checkpoints").glob("last*.ckpt")
+            if re.fullmatch(r"last(-v\d+)?\.ckpt", p.name)
+        ]
+        return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    numbered = [
+        (int(m.group(1)), p)
+        for p in run_dir.glob("hpc_ckpt_*.ckpt")
+        if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", p.name))
+    ]
+    return max(numbered)[1] if numbered else None
+
+
+def check_resume_checkpoint(ckpt_path: str | None, run_dir: Path) -> Path | None:
+    """``--ckpt_path`` names a checkpoint of sat train, said in one line before any work; the
+    file it names is returned (for ``last`` and ``hpc``, Lightning's names, the one Lightning
+    will read: named_checkpoint), None for none. Read as `sat export` reads one: never running
+    code the file names (read_checkpoint); Lightning's own reading goes the same way
+    (training.checkpoint_io), whatever the name or the environment."""
+    if ckpt_path is None:
+        return None
+    path = Path(ckpt_path)
+    if ckpt_path in ("last", "hpc"):  # Lightning's names, even where such a file is
+        found = named_checkpoint(ckpt_path, run_dir)
+        if found is None and ckpt_path == "hpc":
+            raise UsageError(
+                f"--ckpt_path hpc: {run_dir} holds no hpc_ckpt_N.ckpt (a SLURM requeue's): "
+                "give the checkpoint to resume from (e.g. last)"
+            )
+        if found is None:
+            return None
+        path = found
     from showattendtell.model_file import ModelFileError
     from showattendtell.training.lit_module import read_checkpoint
 
     try:
-        read_checkpoint(ckpt_path, "--ckpt_path")
+        read_checkpoint(path, "--ckpt_path", mmap=True)
     except ModelFileError as e:
         raise UsageError(str(e)) from None
+    return path
 
 
 def check_new_run(run_dir: Path, command_line: list[str] | None) -> None:

@@ -16,6 +16,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from showattendtell.errors import UsageError, UserError
+from showattendtell.images.budget import DECODE_BUDGET
 from showattendtell.network.encoder import IMAGENET_MEAN, IMAGENET_STD
 
 IMAGE_SUFFIXES = (
@@ -116,17 +117,37 @@ def open_image(
             img.seek(0)  # first frame of an animated GIF/WebP/TIFF
             if min_size:
                 img.draft(None, (min_size, min_size))  # a no-op but for JPEG
-            img.load()
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             raise ImageError(f"{name}: the image data is corrupt or truncated ({e})") from None
-        if img.size != stored_size:  # decoded reduced: keep the photo's own size, upright
-            upright = stored_size
-            with contextlib.suppress(Exception):
-                if img.getexif().get(0x0112) in (5, 6, 7, 8):  # turned a quarter
-                    upright = stored_size[::-1]
-            img.info["full_size"] = upright
+        # the pixels decoded (after draft: a JPEG's reduced size), within the process's budget
+        with DECODE_BUDGET.decoding(img.width * img.height):
+            try:
+                img.load()
+            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+                raise ImageError(f"{name}: the image data is corrupt or truncated ({e})") from None
+            if img.size != stored_size:  # decoded reduced: keep the photo's own size, upright
+                upright = stored_size
+                with contextlib.suppress(Exception):
+                    if img.getexif().get(0x0112) in (5, 6, 7, 8):  # turned a quarter
+                        upright = stored_size[::-1]
+                img.info["full_size"] = upright
+            return _upright_rgb(img, own=True)
+    with DECODE_BUDGET.decoding(img.width * img.height):
+        return _upright_rgb(img, own=False)
+
+
+def _upright_rgb(img: Image.Image, own: bool) -> Image.Image:
+    """``img`` upright and RGB. ``own``: an image decoded here, turned in place and returned
+    as it is when it is RGB already (each copy of an 8000x8000 photo is 256 MB); a caller's
+    image is copied, never changed."""
     with contextlib.suppress(Exception):  # a broken EXIF block: keep the pixels as stored
-        img = ImageOps.exif_transpose(img)
+        if own:
+            ImageOps.exif_transpose(img, in_place=True)
+        else:
+            img = ImageOps.exif_transpose(img)
+    # not one that still holds an open file (the other frames of a GIF or TIFF): copied
+    if own and img.mode == "RGB" and isinstance(getattr(img, "fp", None), (type(None), io.BytesIO)):
+        return img
     return _to_rgb(img)
 
 
@@ -150,11 +171,12 @@ def full_size(img: Image.Image) -> tuple[int, int]:
     return tuple(img.info.get("full_size", img.size))
 
 
+_ROWS_AT_ONCE = 1 << 20  # pixels converted at once from 16/32 bits (8 MB as float64)
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
     if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        a = np.asarray(img, dtype=np.float64)
-        hi = 65535.0 if img.mode.startswith("I;16") or a.max() > 255 else 255.0
-        img = Image.fromarray(np.clip(a / hi * 255.0 + 0.5, 0, 255).astype(np.uint8), "L")
+        img = Image.fromarray(_to_8_bits(img), "L")
     if img.mode == "P":
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
@@ -162,6 +184,25 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return img.convert("RGB")
+
+
+def _to_8_bits(img: Image.Image) -> np.ndarray:
+    """A 16-bit (or 32-bit integer, or float) greyscale image as 8 bits, rounded: value / 65535
+    (or / 255 when it holds none over 255) x 255. Converted a block of rows at a time: the
+    whole image as float64, as one expression, took eight bytes a pixel for each of its four
+    steps (1.6 GB for an 8000x8000 PNG of 124 KB); here the pixels' own copy and the result."""
+    a = np.asarray(img)
+    hi = 65535.0 if img.mode.startswith("I;16") or a.max() > 255 else 255.0
+    out = np.empty(a.shape, dtype=np.uint8)
+    step = max(1, _ROWS_AT_ONCE // max(1, a.shape[1]))
+    for top in range(0, a.shape[0], step):
+        block = a[top : top + step].astype(np.float64)
+        block /= hi  # the operations of the whole-image expression, in its order
+        block *= 255.0
+        block += 0.5
+        np.clip(block, 0, 255, out=block)
+        out[top : top + step] = block  # truncates, as astype(np.uint8) did
+    return out
 
 
 def image_warning(img: Image.Image) -> str | None:

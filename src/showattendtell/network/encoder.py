@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from showattendtell.errors import UserError
+from showattendtell.torch_files import TorchFileError, read_torch_file
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -101,16 +102,39 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+class EncoderWeightsError(UserError, ValueError):
+    """An encoder weights file (``weights: PATH``) that is missing, not a plain PyTorch
+    state-dict file, or a state dict of another network; the message says which."""
+
+
+_WEIGHTS_HINT = "give a PyTorch state-dict file of this backbone (torch.save(model.state_dict()))"
+
+
 def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The state dict in ``path``, read without running any code it names (read_torch_file)."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"encoder weights file not found: {path}")
+        what = "is a folder" if Path(path).is_dir() else "not found"
+        raise EncoderWeightsError(f"encoder weights {path}: {what}: {_WEIGHTS_HINT}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a pickle with arbitrary objects, or not a torch file at all
-        raise ValueError(f"{path} is not a plain PyTorch state-dict file ({e})") from None
+        state = read_torch_file(path)
+    except TorchFileError as e:
+        raise EncoderWeightsError(f"encoder weights {path}: {e}: {_WEIGHTS_HINT}") from None
     if isinstance(state, dict) and "state_dict" in state:
         state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise EncoderWeightsError(f"encoder weights {path}: not a state dict: {_WEIGHTS_HINT}")
     return state
+
+
+def _load_into(net: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
+    """``net.load_state_dict(state)``, a state dict of another network said in one line."""
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as e:
+        first = str(e).splitlines()[-1].strip() if str(e) else ""
+        raise EncoderWeightsError(
+            f"encoder weights {path}: does not fit the backbone ({first[:200]}): {_WEIGHTS_HINT}"
+        ) from None
 
 
 class MissingWeightsError(UserError, ImportError):
@@ -272,7 +296,11 @@ def _efficientnet_stages(config: EncoderConfig, load_weights: bool) -> list[nn.M
             else config.weights
         )
         state = _load_state_dict(str(path))
-        net.load_state_dict(map_efficientnet_state_dict(state, net.state_dict(), str(path)))
+        try:
+            mapped = map_efficientnet_state_dict(state, net.state_dict(), str(path))
+        except ValueError as e:
+            raise EncoderWeightsError(f"encoder weights {e}") from None
+        _load_into(net, mapped, str(path))
         theirs = [
             nn.Sequential(net.conv_stem, net.bn1),
             *net.blocks,
@@ -290,7 +318,7 @@ def _torchvision_stages(config: EncoderConfig, load_weights: bool) -> list[nn.Mo
     tv_weights = "DEFAULT" if (load_weights and config.weights == "DEFAULT") else None
     net = getattr(torchvision.models, name)(weights=tv_weights)
     if load_weights and config.weights not in (None, "DEFAULT"):
-        net.load_state_dict(_load_state_dict(config.weights))
+        _load_into(net, _load_state_dict(config.weights), config.weights)
     if name in RESNETS:
         if config.caffe_style:
             for layer in (net.layer2, net.layer3, net.layer4):

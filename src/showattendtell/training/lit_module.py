@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from showattendtell.network.decoder import DecoderConfig
 from showattendtell.network.encoder import EncoderConfig
 from showattendtell.network.vocab import PAD, Vocabulary
 from showattendtell.search.decoding import DecodingConfig
+from showattendtell.torch_files import TorchFileError, read_torch_file
 from showattendtell.training.losses import soft_attention_loss
 from showattendtell.training.objectives import (
     MaximumLikelihood,
@@ -71,11 +71,10 @@ class OptimizerConfig:
         return self.lr_decay ** (epoch // self.lr_decay_every)
 
 
-def read_checkpoint(path: str | Path, option: str = "checkpoint") -> dict:
-    """A training checkpoint of `sat train`, read without unpickling arbitrary objects
-    (``weights_only=True``); anything else is a one-line ModelFileError of our own."""
-    import pickle
-
+def read_checkpoint(path: str | Path, option: str = "checkpoint", *, mmap: bool = False) -> dict:
+    """A training checkpoint of `sat train`, read without running any code it names
+    (torch_files.read_torch_file); anything else is a one-line ModelFileError of our own.
+    ``mmap``: map the tensors instead of reading them (a check that only looks at them)."""
     path = Path(path)
     hint = "give a .ckpt file that sat train wrote (e.g. runs/NAME/checkpoints/last.ckpt)"
     if path.is_dir():
@@ -89,12 +88,14 @@ def read_checkpoint(path: str | Path, option: str = "checkpoint") -> dict:
             f"{option}: {path} is an exported model file, not a training checkpoint: {hint}"
         )
     try:
-        with warnings.catch_warnings():  # torch's advice about a plain pickle's protocol
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError):
-        # torch's own message advises weights_only=False, i.e. running the file's code: no
-        raise ModelFileError(f"{option}: {path} is not a training checkpoint: {hint}") from None
+        try:
+            ckpt = read_torch_file(path, mmap=mmap)
+        except TorchFileError:
+            if not mmap:
+                raise
+            ckpt = read_torch_file(path)  # a legacy (not zip) file cannot be mapped
+    except TorchFileError as e:
+        raise ModelFileError(f"{option}: {path} is {e}: {hint}") from None
     if not (
         isinstance(ckpt, dict)
         and isinstance(ckpt.get("hyper_parameters"), dict)
@@ -105,6 +106,27 @@ def read_checkpoint(path: str | Path, option: str = "checkpoint") -> dict:
             f"{option}: {path} is a PyTorch file but not a checkpoint of sat train: {hint}"
         )
     return ckpt
+
+
+def check_state_fits(module: torch.nn.Module, state: dict, source: str) -> None:
+    """A checkpoint's ``state`` (its module's tensors) fits ``module``: the same tensors with
+    the same shapes; else a one-line ModelFileError that begins with ``source`` and names the
+    first difference. A run resumed with other settings than it was trained with (a hidden
+    size, another backbone) is the usual cause."""
+    ours = module.state_dict()
+    hint = "resume with the settings it was trained with (its run folder's config.yaml)"
+    for key, value in state.items():
+        mine = ours.get(key)
+        if mine is not None and tuple(mine.shape) != tuple(value.shape):
+            raise ModelFileError(
+                f"{source} holds a model of other sizes ({key}: {tuple(value.shape)}, this "
+                f"run's {tuple(mine.shape)}): {hint}"
+            )
+    missing = sorted(set(ours) - set(state))
+    unexpected = sorted(set(state) - set(ours))
+    if getattr(module, "strict_loading", True) and (missing or unexpected):
+        what = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which this run lacks"
+        raise ModelFileError(f"{source} holds another model (it {what}): {hint}")
 
 
 def init_weights(
@@ -255,7 +277,15 @@ class CaptionModule(L.LightningModule):
             )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.check_checkpoint(checkpoint)
+
+    def check_checkpoint(self, checkpoint: dict, path: str | Path | None = None) -> None:
+        """Migrate ``checkpoint``'s state of an older version, and check that it fits this
+        module: before Lightning's load_state_dict, whose size mismatch is a 40-line
+        traceback; `sat train` checks the checkpoint it resumes from before any work too."""
         self.objective.migrate_state(checkpoint["state_dict"], "objective.")
+        where = f"--ckpt_path: {path}" if path is not None else "--ckpt_path: the checkpoint"
+        check_state_fits(self, checkpoint["state_dict"], where)
 
     @property
     def attention(self) -> str:
