@@ -26,6 +26,7 @@ from showattendtell.captioning.records import (
     ResumePoint,
     Writer,
     check_made_by,
+    format_help,
     open_output,
     output_format,
     scan_output,
@@ -126,8 +127,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
         default=None,
-        help="jsonl or csv; default: from the --output suffix, .jsonl or .csv (jsonl for "
-        "standard output and a name without a suffix; any other suffix is refused)",
+        help=format_help(),
     )
     p.add_argument(
         "--with-attention",
@@ -607,7 +607,7 @@ def _caption(
     if procs.rank == 0 and args.output:
         stream = open_output(Path(args.output), resume if args.resume else None)
     writer = Writer(fmt, args.with_attention, stream, plan.fields, made_by)
-    fresh = fmt == "csv" and plan.fields is None
+    fresh = plan.fields is None  # a new file: its format's header, if it has one
     overlays = None
     if args.overlays and plan.sheets is not None:
         overlays = {p: Path(args.overlays) / name for p, name in plan.sheets.items()}
