@@ -27,6 +27,7 @@ from helpers.service import (  # noqa: E402, F401 (fixtures)
     service,
     tiny_expected_file,
 )
+
 from showattendtell.service import events  # noqa: E402
 from showattendtell.service.captioning import api_caption, caption_image  # noqa: E402
 from showattendtell.service.worker import CaptionService, ServiceError, load_service  # noqa: E402

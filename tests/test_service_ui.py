@@ -23,6 +23,7 @@ from helpers.service import (  # noqa: E402, F401 (fixtures)
     tiny_expected_file,
     white_pixels,
 )
+
 from showattendtell.service import drawing, events, options  # noqa: E402
 from showattendtell.service.app import build_app  # noqa: E402
 from showattendtell.service.uploads import find_examples  # noqa: E402
