@@ -16,7 +16,14 @@ import pytest
 from helpers.disk import filling
 from helpers.photos import write_photos
 
-from showattendtell.captioning.records import check_made_by, output_format, scan_output
+from showattendtell.captioning.records import (
+    Writer,
+    check_made_by,
+    get_output_format,
+    list_output_formats,
+    output_format,
+    scan_output,
+)
 from showattendtell.cli.main import main
 from showattendtell.outputs import OutputError
 
@@ -608,7 +615,7 @@ def test_a_disk_full_mid_record_leaves_only_whole_records(fmt, tmp_path, monkeyp
 def test_sat_caption_on_a_disk_that_fills_keeps_whole_records(
     images, tiny_model_file, tmp_path, monkeypatch, capsys
 ):
-    from showattendtell.cli import caption as caption_command
+    from showattendtell.cli import caption_job as caption_command
 
     out = tmp_path / "out.jsonl"
     filling(monkeypatch, caption_command, whole=2)
@@ -619,3 +626,40 @@ def test_sat_caption_on_a_disk_that_fills_keeps_whole_records(
     kept = out.read_text().splitlines(keepends=True)
     assert len(kept) == 2 and all(json.loads(line)["path"] for line in kept)
     assert all(line.endswith("\n") for line in kept)
+
+
+@pytest.mark.parametrize("fmt", list_output_formats())
+def test_every_registered_output_format_is_written_and_read_back(fmt, tmp_path):
+    """The registry's entry is the format: its suffix picks it, the Writer writes its header
+    and lines, and its scanner (--resume) reads back every record and what made it, and cuts
+    only a partial last record."""
+    import numpy as np
+
+    from showattendtell.captioning.captioner import CaptionResult
+    from showattendtell.captioning.pipeline import Record
+
+    spec = get_output_format(fmt)
+    assert output_format(f"out{spec.suffix}", None) == fmt == output_format("out", fmt)
+    result = CaptionResult("a red circle", ["a", "red", "circle"], -1.5, -1.5,
+                           np.full((3, 2, 2), 0.25), None, [("a red circle", -1.5)])  # fmt: skip
+    made = {"model": "tiny", "decoding": {"beam_size": 1, "min_length": 2}}
+    out = tmp_path / f"out{spec.suffix}"
+    with open(out, "wb") as stream:
+        writer = Writer(fmt, False, stream, made_by=made)
+        writer.header()
+        writer.write(Record("a.png", result))
+        writer.write(Record("b, c.png", error="cannot decode"))
+        whole = out.stat().st_size
+        writer.write(Record("d.png", result))
+    out.write_bytes(out.read_bytes()[: whole + 5])  # a kill in the middle of the last record
+    point = scan_output(out, fmt, False)
+    assert point.done == Counter({"a.png": 1, "b, c.png": 1}) and point.keep_bytes == whole
+    assert point.made_by == [made] and point.unmarked == 0
+    with pytest.raises(OutputError, match="is not a `sat caption`"):
+        scan_output(out, [f for f in list_output_formats() if f != fmt][0], False)
+
+
+def test_an_unknown_format_lists_the_registered_ones():
+    with pytest.raises(OutputError) as e:
+        output_format("out", "xml")
+    assert all(f in str(e.value) for f in list_output_formats())

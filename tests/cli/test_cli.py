@@ -240,7 +240,14 @@ def test_help_and_error_lines_name_the_command_typed(command, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
     assert e.value.code == 0
-    assert capsys.readouterr().out.startswith(f"usage: sat {command} [")
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: sat {command} [")
+    # the registries' names, whatever is registered: backbones and datasets
+    from showattendtell.data.datasets import list_datasets
+    from showattendtell.network.encoder import list_backbones
+
+    listed = " ".join(out.split())  # argparse wraps the lines
+    assert all(name in listed for name in [*list_backbones(), *list_datasets()])
     assert main([command, "--no-such-option", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err

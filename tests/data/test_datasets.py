@@ -12,7 +12,13 @@ from conftest import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k
 from showattendtell.data.datasets import (
     DatasetError,
     MissingImagesError,
+    SplitError,
+    check_split_name,
+    folder_hint,
+    get_dataset,
+    list_datasets,
     load_split,
+    split_names,
 )
 
 
@@ -234,3 +240,53 @@ def test_a_damaged_coco_caption_file_is_one_dataset_error(tmp_path, content):
     with pytest.raises(DatasetError, match="is not a COCO caption file") as e:
         load_split("coco", tmp_path, "val")
     assert "captions_val2014.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def _registry_folder(dataset: str, synthetic_flickr, root):
+    """A small folder of ``dataset``'s format made from the synthetic Flickr8k photos."""
+    if dataset == "flickr8k":
+        shutil.copytree(synthetic_flickr, root)
+    elif dataset == "karpathy":
+        shutil.copytree(synthetic_flickr / "images", root / "images")
+        _karpathy_json(synthetic_flickr, root)
+    else:  # coco: the official caption files, read by pycocotools
+        pytest.importorskip("pycocotools")
+        (root / "annotations").mkdir(parents=True)
+        names = sorted(p.name for p in (synthetic_flickr / "images").iterdir())
+        for split, part in (("train", names[:4]), ("val", names[4:6])):
+            (root / f"{split}2014").mkdir()
+            images, anns = [], []
+            for i, name in enumerate(part, 1):
+                shutil.copy(synthetic_flickr / "images" / name, root / f"{split}2014" / name)
+                images.append({"id": i, "file_name": name, "width": 64, "height": 64})
+                anns.append({"id": i, "image_id": i, "caption": f"a photo {i}"})
+            data = {"images": images, "annotations": anns}
+            (root / "annotations" / f"captions_{split}2014.json").write_text(json.dumps(data))
+    return root
+
+
+@pytest.mark.parametrize("dataset", list_datasets())
+def test_every_registered_dataset_reads_the_splits_its_entry_names(
+    dataset, synthetic_flickr, tmp_path
+):
+    """The registry's entry is the dataset: each split name it gives for a folder of its
+    format loads, a name it does not give is a one-line usage error listing them, and the
+    folder hint says what the folder holds."""
+    fmt = get_dataset(dataset)
+    root = _registry_folder(dataset, synthetic_flickr, tmp_path / dataset)
+    names = split_names(dataset, root)
+    assert names
+    for name in names:
+        split = load_split(dataset, root, name)
+        assert all(im.path.is_file() and im.captions for im in split.images)
+    assert any(load_split(dataset, root, name).images for name in names)
+    with pytest.raises(SplitError) as e:
+        check_split_name("--split", dataset, root, "no-such-split")
+    assert all(n in str(e.value) for n in names) and "\n" not in str(e.value)
+    assert folder_hint(dataset, root).startswith(fmt.folder)
+
+
+def test_an_unknown_dataset_lists_the_registered_ones(tmp_path):
+    with pytest.raises(DatasetError) as e:
+        load_split("flickr30k", tmp_path, "train")
+    assert all(name in str(e.value) for name in list_datasets())

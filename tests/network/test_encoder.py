@@ -2,7 +2,16 @@ import pytest
 import torch
 from conftest import RESNET50_CAFFE, needs_resnet50
 
-from showattendtell.network.encoder import Encoder, EncoderConfig, EncoderWeightsError
+from showattendtell.network.encoder import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Encoder,
+    EncoderConfig,
+    EncoderWeightsError,
+    UnknownBackbone,
+    get_backbone,
+    list_backbones,
+)
 
 
 @pytest.mark.parametrize(
@@ -136,3 +145,39 @@ def test_a_cpu_batch_goes_through_the_cnn_in_slices_with_the_same_result(fine_tu
     torch.testing.assert_close(sliced, whole, rtol=1e-3, atol=1e-3)  # float32 rounding
     with torch.no_grad():
         torch.testing.assert_close(enc.in_chunks(lambda t: t * 2, x), x * 2)
+
+
+@pytest.mark.parametrize("name", list_backbones())
+def test_every_registered_backbone_is_what_its_entry_says(name):
+    """The registry's entry is the backbone: its stages give its feature size on the grid its
+    stride and rounding say (at a size that is a multiple of the stride and one that is not),
+    and the encoder converts ImageNet-normalised input to the entry's mean and std."""
+    spec = get_backbone(name)
+    for size in (64, 72):
+        cfg = EncoderConfig(backbone=name, weights=None, input_size=size)
+        enc = Encoder(cfg)
+        with torch.no_grad():
+            out = enc(torch.rand(1, 3, size, size))
+        assert cfg.grid == spec.grid(size) and cfg.feature_dim == spec.feature_dim
+        assert out.shape == (1, cfg.grid**2, spec.feature_dim), size
+    pixel = torch.rand(1, 3, 1, 1)  # RGB in [0, 1]
+    mean, std = (
+        torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1),
+        torch.tensor(IMAGENET_STD).view(1, 3, 1, 1),
+    )
+    theirs = (pixel - torch.tensor(spec.mean).view(1, 3, 1, 1)) / torch.tensor(spec.std).view(
+        1, 3, 1, 1
+    )
+    ours = (
+        (pixel - mean) / std * enc.input_scale + enc.input_shift
+        if enc.renormalise
+        else (pixel - mean) / std
+    )
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_an_unknown_backbone_is_an_error_listing_the_registered_ones():
+    with pytest.raises(UnknownBackbone) as e:
+        EncoderConfig(backbone="convnext_tiny", weights=None)
+    assert all(name in str(e.value) for name in list_backbones()) and "\n" not in str(e.value)
+    assert all(name in EncoderConfig.__doc__ for name in list_backbones())  # sat train --help

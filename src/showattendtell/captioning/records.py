@@ -7,6 +7,10 @@ reads the whole file before it changes anything: every complete record must be o
 the only thing it ever removes is that one partial last record (its image is captioned again).
 Any other file is refused and left byte for byte as it was.
 
+Each format is one ``OutputFormat`` entry in a registry (``register_output_format``,
+``get_output_format``, ``list_output_formats``): its name (--format), its suffix, its header, how
+a record becomes a line and how --resume reads a file back.
+
 Import-light (no torch): the CLI imports it when it builds its parser.
 """
 
@@ -21,6 +25,7 @@ import re
 import stat
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -31,8 +36,6 @@ from showattendtell.search.options import DECODING_OPTIONS
 if TYPE_CHECKING:
     from showattendtell.captioning.pipeline import Record
 
-FORMATS = ("jsonl", "csv")
-SUFFIXES = {".jsonl": "jsonl", ".csv": "csv"}  # the format of an --output without --format
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip")  # names that promise what is not written
 MADE_BY_FIELDS = ("model", "decoding", "model_sha256")  # what made a caption: Captioner.made_by
 CSV_FIELDS = (
@@ -72,11 +75,48 @@ def csv_fields(with_attention: bool) -> tuple[str, ...]:
     return CSV_FIELDS + (ATTENTION_FIELDS if with_attention else ())
 
 
+@dataclass(frozen=True)
+class OutputFormat:
+    """One output format of `sat caption`, as data: a new format is one
+    ``register_output_format`` call (and, where it needs them, its line and scan functions)."""
+
+    name: str  # the --format value
+    suffix: str  # the --output suffix that picks it without --format
+    line: Callable[[dict, tuple[str, ...]], str]  # (record_dict, CSV columns) -> the line
+    scan: Callable[[Path, str, bool], ResumePoint]  # (path, text, with_attention): --resume
+    header: Callable[[tuple[str, ...]], str] | None = None  # the first line of a new file
+
+
+_FORMATS: dict[str, OutputFormat] = {}
+
+
+def register_output_format(fmt: OutputFormat) -> OutputFormat:
+    if fmt.name in _FORMATS or any(f.suffix == fmt.suffix for f in _FORMATS.values()):
+        raise ValueError(f"output format {fmt.name!r} or suffix {fmt.suffix} already registered")
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def get_output_format(name: str) -> OutputFormat:
+    """The registered format ``name``, or an OutputError (exit status 2) naming them all."""
+    try:
+        return _FORMATS[name]
+    except (KeyError, TypeError):
+        raise OutputError(
+            f"--format must be one of {', '.join(list_output_formats())}, not {name!r}"
+        ) from None
+
+
+def list_output_formats() -> list[str]:
+    """The registered formats' names; the first is the default (standard output)."""
+    return list(_FORMATS)
+
+
 def output_format(name: str | None, given: str | None) -> str:
-    """The format to write: ``given`` (--format), else the one --output's suffix names, JSON
-    Lines for standard output and names without a suffix (/dev/null). Any other suffix is
-    refused rather than guessed: ``x.csv.gz`` or ``x.txt`` would get JSON Lines. So is a
-    compressed name with any format, for a file that is not compressed."""
+    """The format to write: ``given`` (--format), else the one --output's suffix names, the
+    first registered (JSON Lines) for standard output and names without a suffix (/dev/null).
+    Any other suffix is refused rather than guessed: ``x.csv.gz`` or ``x.txt`` would get JSON
+    Lines. So is a compressed name with any format, for a file that is not compressed."""
     suffix = Path(name).suffix.lower() if name else ""
     if suffix in COMPRESSED:
         plain = name[: -len(suffix)]
@@ -84,17 +124,29 @@ def output_format(name: str | None, given: str | None) -> str:
             f"--output {name}: `sat caption` writes no compressed files; write {plain} "
             "and compress it once the run is done"
         )
-    fmt = given or SUFFIXES.get(suffix, "jsonl" if not suffix else None)
-    if fmt is None:
-        names = " or ".join(SUFFIXES)
-        formats = " or ".join(f"--format {f}" for f in FORMATS)
+    if given is not None:
+        return get_output_format(given).name
+    if not suffix:
+        return list_output_formats()[0]
+    by_suffix = {f.suffix: f.name for f in _FORMATS.values()}
+    if suffix not in by_suffix:
+        names = " or ".join(by_suffix)
+        formats = " or ".join(f"--format {f}" for f in _FORMATS)
         raise OutputError(
             f"--output {name}: the format is taken from the suffix, {names}, not {suffix}; "
             f"rename it, or give {formats}"
         )
-    if fmt not in FORMATS:
-        raise OutputError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    return fmt
+    return by_suffix[suffix]
+
+
+def format_help() -> str:
+    """--format's help, from the registry."""
+    names = list_output_formats()
+    suffixes = " or ".join(_FORMATS[n].suffix for n in names)
+    return (
+        f"{' or '.join(names)}; default: from the --output suffix, {suffixes} ({names[0]} for "
+        "standard output and a name without a suffix; any other suffix is refused)"
+    )
 
 
 class Writer:
@@ -115,6 +167,7 @@ class Writer:
         made_by: dict | None = None,
     ):
         self.fmt, self.with_attention, self.stream = fmt, with_attention, stream
+        self.spec = get_output_format(fmt)
         self.fields = fields or csv_fields(with_attention)
         self.made_by = made_by
 
@@ -129,13 +182,12 @@ class Writer:
     def dict_line(self, d: dict) -> str:
         """``line`` of a record already made into a dict (``record_dict``): the Ray engine's
         records arrive from its actors as JSON objects."""
-        if self.fmt == "jsonl":
-            return json.dumps(d, ensure_ascii=False, allow_nan=False) + "\n"
-        return _csv_line([_csv_cell(d.get(f)) for f in self.fields])
+        return self.spec.line(d, self.fields)
 
     def header(self) -> None:
-        if self.fmt == "csv":
-            self.write_line(_csv_line(list(self.fields)))
+        """The first line of a new file, for a format that has one (CSV's columns)."""
+        if self.spec.header is not None:
+            self.write_line(self.spec.header(self.fields))
 
     def write_line(self, line: str) -> None:
         data = line.encode("utf-8", "backslashreplace")  # always UTF-8 (see printable_path)
@@ -175,6 +227,14 @@ def _csv_cell(value) -> str:
     if isinstance(value, (list, dict)):
         return json.dumps(value, allow_nan=False)
     return str(value)
+
+
+def _jsonl_line(d: dict, fields: tuple[str, ...]) -> str:
+    return json.dumps(d, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def _csv_row(d: dict, fields: tuple[str, ...]) -> str:
+    return _csv_line([_csv_cell(d.get(f)) for f in fields])
 
 
 def _csv_line(row: list) -> str:
@@ -222,19 +282,16 @@ def scan_output(path: Path, fmt: str, with_attention: bool) -> ResumePoint:
     except OSError as e:
         raise OutputError(f"--resume: cannot read {path}: {e.strerror or e}") from None
     text = data.decode("utf-8", "surrogateescape")
-    if fmt == "jsonl":
-        point = _scan_jsonl(path, text, with_attention)
-    else:
-        point = _scan_csv(path, text, with_attention)
+    point = get_output_format(fmt).scan(path, text, with_attention)
     point.keep_bytes = len(text[: point.keep_bytes].encode("utf-8", "surrogateescape"))
     return point
 
 
 def _not_ours(path: Path, fmt: str, where: str) -> OutputError:
-    other = "csv" if fmt == "jsonl" else "jsonl"
+    other = " or ".join(f"--format {f}" for f in list_output_formats() if f != fmt)
     return OutputError(
         f"--resume: {path} is not a `sat caption` {fmt.upper()} file ({where}); "
-        f"it is left as it was. Is it the right file (or --format {other})?"
+        f"it is left as it was. Is it the right file (or {other})?"
     )
 
 
@@ -417,6 +474,12 @@ def unmarked_warning(path: Path, point: ResumePoint) -> str | None:
 
 def _preview(s: str, n: int = 30) -> str:
     return repr(s if len(s) <= n else s[:n] + "...")
+
+
+register_output_format(OutputFormat("jsonl", ".jsonl", _jsonl_line, _scan_jsonl))
+register_output_format(
+    OutputFormat("csv", ".csv", _csv_row, _scan_csv, header=lambda fields: _csv_line(list(fields)))
+)
 
 
 def open_output(path: Path, resume: ResumePoint | None) -> IO[bytes]:

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from showattendtell.captioning.records import format_help
 from showattendtell.cli.common import (
     add_decoding_args,
     add_device_args,
@@ -103,8 +104,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
         default=None,
-        help="jsonl or csv; default: from the --output suffix, .jsonl or .csv (jsonl for "
-        "standard output and a name without a suffix; any other suffix is refused)",
+        help=format_help(),
     )
     p.add_argument(
         "--with-attention",

@@ -406,7 +406,7 @@ def _caption(
     if procs.rank == 0 and args.output:
         stream = open_output(Path(args.output), resume if args.resume else None)
     writer = Writer(fmt, args.with_attention, stream, plan.fields, made_by)
-    fresh = fmt == "csv" and plan.fields is None
+    fresh = plan.fields is None  # a new file: its format's header, if it has one
     overlays = None
     if args.overlays and plan.sheets is not None:
         overlays = {p: Path(args.overlays) / name for p, name in plan.sheets.items()}

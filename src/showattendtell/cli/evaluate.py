@@ -41,7 +41,7 @@ from showattendtell.cli.evaluate_captions import (
     settings,
     write_json_atomic,
 )
-from showattendtell.data.datasets import DATASETS, check_split_name, split_names
+from showattendtell.data.datasets import check_split_name, list_datasets, split_names
 from showattendtell.errors import sigterm_as_ctrl_c
 from showattendtell.search.options import DecodingConfig
 
@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--dataset",
         required=True,
-        choices=DATASETS,
+        choices=list_datasets(),
         help="coco (official files, or Karpathy's split with dataset_coco.json), "
         "flickr8k (original release files), karpathy (dataset_*.json)",
     )

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from showattendtell.cli.common import add_decoding_args, decoding_overrides
-from showattendtell.data.datasets import DATASETS
+from showattendtell.data.datasets import list_datasets
 from showattendtell.errors import UsageError
 from showattendtell.outputs import OutputError, check_new_output
 
@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
     g.add_argument(
         "--consensus-dataset",
         default="flickr8k",
-        choices=DATASETS,
+        choices=list_datasets(),
         help="its format (default flickr8k)",
     )
     g.add_argument("--consensus-split", default="train", help="its split (default train)")

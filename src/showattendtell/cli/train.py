@@ -31,8 +31,10 @@ from showattendtell.cli.train_checks import (
     short_type_error,
 )
 from showattendtell.data.datamodule import CaptionDataModule
+from showattendtell.data.datasets import list_datasets
 from showattendtell.errors import UsageError, UserError
 from showattendtell.model_file import ModelFileError
+from showattendtell.network.encoder import list_backbones
 from showattendtell.outputs import prepare_folder
 from showattendtell.torch_files import TorchFileError, read_torch_file
 from showattendtell.training.checkpoint_io import SafeCheckpointIO
@@ -382,6 +384,14 @@ def _quiet_library_advice() -> None:
             log.addFilter(_DropAdvice())
 
 
+def registered() -> str:
+    """--help's last lines: the registered backbones and datasets (each registry's names)."""
+    return (
+        f"backbones (--model.encoder.backbone): {', '.join(list_backbones())}. "
+        f"datasets (--data.dataset): {', '.join(list_datasets())}."
+    )
+
+
 def build_cli(
     args: list[str], cli_class: type[SatCLI] | None = None, prog: str = "sat train"
 ) -> SatCLI:
@@ -405,7 +415,12 @@ def build_cli(
             trainer_defaults=TRAINER_DEFAULTS,
             seed_everything_default=SEED_DEFAULT,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": prog, "default_env": False, "exit_on_error": False},
+            parser_kwargs={
+                "prog": prog,
+                "default_env": False,
+                "exit_on_error": False,
+                "epilog": registered(),
+            },
             command_line=typed,
         )
     except ArgumentError as e:

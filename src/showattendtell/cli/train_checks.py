@@ -11,6 +11,7 @@ import re
 import shlex
 from pathlib import Path
 
+from showattendtell.data.datasets import check_split_name, folder_hint, list_datasets
 from showattendtell.errors import UsageError
 from showattendtell.evaluation.metrics import VALIDATION_SCORES
 
@@ -117,27 +118,14 @@ def check_split_names(data) -> None:
     model is built. The names are the ones `sat evaluate --split` takes (check_split_name):
     Flickr8k's, Karpathy's, or COCO's official train and val without dataset_coco.json. An
     unknown --data.dataset is left to the reader."""
-    from showattendtell.data.datasets import DATASETS
-
     dataset = data.get("dataset")
-    if dataset not in DATASETS:
+    if dataset not in list_datasets():
         return
-    from showattendtell.data.datasets import check_split_name
 
     for option in ("train_split", "val_split"):
         split = data.get(option)
         if split is not None:
             check_split_name(f"--data.{option}", dataset, data["root"], split)
-
-
-# what each dataset's folder holds (data/README.md), said when a dataset folder option is wrong
-_DATASET_FOLDERS = {
-    "flickr8k": "the Flickr8k folder (Flickr8k.token.txt, Flickr_8k.*Images.txt and images/; "
-    "see data/README.md)",
-    "karpathy": "the folder of Karpathy's dataset_*.json and its photos (see data/README.md)",
-    "coco": "the COCO folder (annotations/captions_*.json and the photo folders, or Karpathy's "
-    "dataset_coco.json)",
-}
 
 
 def check_dataset_root(option: str, root: str | Path, dataset: str | None) -> None:
@@ -149,11 +137,8 @@ def check_dataset_root(option: str, root: str | Path, dataset: str | None) -> No
     if path.is_dir():
         return
     what = "is a file, not a folder" if path.exists() else "no such folder"
-    give = _DATASET_FOLDERS.get(str(dataset), "the dataset's folder (see data/README.md)")
-    if dataset == "coco":
-        target = "DIR" if path.exists() else shlex.quote(str(root))
-        give += f"; `sat data coco --root {target}` downloads it"
-    raise UsageError(f"{option} {root}: {what}: give {give}")
+    target = "DIR" if path.exists() else shlex.quote(str(root))
+    raise UsageError(f"{option} {root}: {what}: give {folder_hint(dataset, target)}")
 
 
 # the validation scores CaptionModule logs (higher is better: the callbacks' mode is max)

@@ -2,6 +2,10 @@
 
 Every reader returns the split as a list of ``CaptionedImage`` whose files exist; annotations
 whose image file is missing are skipped and counted (one summary warning, never a crash).
+
+Each format is one ``DatasetFormat`` entry in a registry (``register_dataset``, ``get_dataset``,
+``list_datasets``): its reader, its split names and what its folder holds. ``--dataset``'s
+choices, the split checks and the folder hints all read the registry.
 """
 
 from __future__ import annotations
@@ -10,14 +14,13 @@ import json
 import logging
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from showattendtell.errors import UsageError, UserError
 
 log = logging.getLogger(__name__)
-
-DATASETS = ("flickr8k", "karpathy", "coco")
 
 
 @dataclass
@@ -361,40 +364,80 @@ def _quiet_coco(COCO, ann_file: Path):
         return COCO(str(ann_file))
 
 
+# -- the registry -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetFormat:
+    """One caption dataset format, as data: a new format is one ``register_dataset`` call."""
+
+    name: str  # the --dataset value
+    load: Callable[[Path, str], Split]  # (folder, split name) -> the split
+    split_names: Callable[[Path], list[str]]  # the split names it takes in a folder (aliases too)
+    folder: str  # what its folder holds (data/README.md), said when a folder option is wrong
+    download: str = ""  # the command that downloads it into {root}, if `sat data` does
+    describe: Callable[[Path], str] | None = None  # how a split error names it (default: name)
+    split_hint: Callable[[Path, list[str]], str] | None = None  # why a split is not there
+
+
+_DATASETS: dict[str, DatasetFormat] = {}
+
+
+def register_dataset(fmt: DatasetFormat) -> DatasetFormat:
+    if fmt.name in _DATASETS:
+        raise ValueError(f"dataset {fmt.name!r} is already registered")
+    _DATASETS[fmt.name] = fmt
+    return fmt
+
+
+def get_dataset(name: str) -> DatasetFormat:
+    """The registered format ``name``, or a DatasetError listing the registered ones."""
+    try:
+        return _DATASETS[name]
+    except (KeyError, TypeError):
+        raise DatasetError(
+            f"unknown dataset {name!r}; choose one of {', '.join(list_datasets())}"
+        ) from None
+
+
+def list_datasets() -> list[str]:
+    return list(_DATASETS)
+
+
 def load_split(dataset: str, root: str | Path, split: str) -> Split:
-    """Dispatch on the dataset name: flickr8k (original files), karpathy (dataset_*.json), coco."""
+    """The split ``split`` of the dataset ``dataset`` (a registered format) in ``root``."""
+    fmt = get_dataset(dataset)
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(f"dataset folder {root} does not exist: see data/README.md")
-    if dataset == "flickr8k":
-        return load_flickr8k(root, split)
-    if dataset == "karpathy":
-        return load_karpathy(root, split)
-    if dataset == "coco":
-        return load_coco(root, split)
-    raise DatasetError(f"unknown dataset {dataset!r}; choose one of {DATASETS}")
+    return fmt.load(root, split)
 
 
 def check_split_name(option: str, dataset: str, root: str | Path, split: str) -> None:
     """A split (``option``: --split, or `sat export`'s --consensus-split) that the dataset in
     the folder ``root`` does not have is a usage error naming the splits there are, said before
     anything is read (`sat export`: before the checkpoint)."""
-    root = Path(root)
-    names = split_names(dataset, root)
+    fmt, root = get_dataset(dataset), Path(root)
+    names = fmt.split_names(root)
     if root.is_dir() and split not in names:
-        raise SplitError(
-            f"{option} {split}: the splits of {_dataset_shown(dataset, root)} are "
-            f"{', '.join(names)}{_coco_hint(dataset, root, names)}"
-        )
+        shown = fmt.describe(root) if fmt.describe else fmt.name
+        hint = fmt.split_hint(root, names) if fmt.split_hint else ""
+        raise SplitError(f"{option} {split}: the splits of {shown} are {', '.join(names)}{hint}")
 
 
 def split_names(dataset: str, root: Path) -> list[str]:
     """The --split names load_split takes for ``dataset`` in ``root`` (aliases included)."""
-    if dataset == "flickr8k":
-        return list(FLICKR8K_SPLITS)
-    if dataset == "coco" and not _has_karpathy_coco(root):
-        return ["train", "val"]  # the official caption files
-    return list(KARPATHY_SPLITS)
+    return get_dataset(dataset).split_names(Path(root))
+
+
+def folder_hint(dataset: str | None, root: str | Path) -> str:
+    """What the folder of ``dataset`` holds and, where `sat data` downloads it, the command."""
+    fmt = _DATASETS.get(str(dataset))
+    if fmt is None:
+        return "the dataset's folder (see data/README.md)"
+    return fmt.folder + (
+        f"; `{fmt.download.format(root=root)}` downloads it" if fmt.download else ""
+    )
 
 
 def _has_karpathy_coco(root: Path) -> bool:
@@ -404,13 +447,48 @@ def _has_karpathy_coco(root: Path) -> bool:
     )
 
 
-def _dataset_shown(dataset: str, root: Path) -> str:
-    if dataset == "coco":
-        return "the official COCO files" if not _has_karpathy_coco(root) else "dataset_coco.json"
-    return "Karpathy's split files" if dataset == "karpathy" else dataset
+def _coco_splits(root: Path) -> list[str]:
+    """Karpathy's split names with dataset_coco.json; the official train and val without."""
+    return list(KARPATHY_SPLITS) if _has_karpathy_coco(root) else ["train", "val"]
 
 
-def _coco_hint(dataset: str, root: Path, names: list[str]) -> str:
-    if dataset != "coco" or "test" in names:
+def _coco_shown(root: Path) -> str:
+    return "dataset_coco.json" if _has_karpathy_coco(root) else "the official COCO files"
+
+
+def _coco_hint(root: Path, names: list[str]) -> str:
+    if "test" in names:
         return ""
     return f" (test and restval need Karpathy's dataset_coco.json in {root})"
+
+
+register_dataset(
+    DatasetFormat(
+        "flickr8k",
+        load_flickr8k,
+        lambda root: list(FLICKR8K_SPLITS),
+        "the Flickr8k folder (Flickr8k.token.txt, Flickr_8k.*Images.txt and images/; "
+        "see data/README.md)",
+    )
+)
+register_dataset(
+    DatasetFormat(
+        "karpathy",
+        load_karpathy,
+        lambda root: list(KARPATHY_SPLITS),
+        "the folder of Karpathy's dataset_*.json and its photos (see data/README.md)",
+        describe=lambda root: "Karpathy's split files",
+    )
+)
+register_dataset(
+    DatasetFormat(
+        "coco",
+        load_coco,
+        _coco_splits,
+        "the COCO folder (annotations/captions_*.json and the photo folders, or Karpathy's "
+        "dataset_coco.json)",
+        download="sat data coco --root {root}",
+        describe=_coco_shown,
+        split_hint=_coco_hint,
+    )
+)

