@@ -1,0 +1,162 @@
+"""`POST /v1/captions` against Gradio's `/caption` API of the same `sat serve`, with 1, 8 and 32
+clients, and a direct batched `Captioner` call of the same photo for reference.
+
+Starts one `sat serve` (the page and the HTTP API in one process, as it runs by default) in a
+subprocess on 127.0.0.1, so that clients and server do not share a GIL. For each number of
+clients it sends ``--requests`` requests of one photo in all, spread over the clients, first
+through the HTTP API (httpx, one connection a client), then through Gradio's API
+(``gradio_client``), and times each end to end. Then, in this process, ``Captioner`` captions
+the same photo in batches of 1, 8 and 32 (one call a batch: decoding the photo,
+preprocessing, encoder, search).
+Prints one line a scenario and one JSON line.
+
+    python benchmarks/http_api.py --requests 32 --clients 1 8 32 -- --beam-size 3 --rerank none
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from service_latency import DEFAULT_IMAGE, free_port, start_sat_serve, summary
+
+
+def http_requests(url: str, image: bytes, n: int, out: list[float]) -> None:
+    with httpx.Client(base_url=url, timeout=600) as client:
+        for _ in range(n):
+            t = time.perf_counter()
+            response = client.post("/v1/captions", files=[("images", ("photo.jpg", image))])
+            out.append(time.perf_counter() - t)
+            assert response.status_code == 200, response.text
+            assert response.json()["records"][0]["words"]
+
+
+def gradio_requests(url: str, image: str, n: int, out: list[float]) -> None:
+    from gradio_client import Client, handle_file
+
+    client = Client(url + "/", verbose=False)
+    for _ in range(n):
+        t = time.perf_counter()
+        result = client.predict(handle_file(image), api_name="/caption")
+        out.append(time.perf_counter() - t)
+        assert result["words"], result
+
+
+def concurrent(target, url: str, image, requests: int, clients: int) -> dict[str, float]:
+    """``requests`` requests spread over ``clients`` threads, each one client."""
+    latencies: list[float] = []
+    per_client = max(1, requests // clients)
+    threads = [
+        threading.Thread(target=target, args=(url, image, per_client, latencies))
+        for _ in range(clients)
+    ]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return summary(latencies, time.perf_counter() - t)
+
+
+def direct(model: str | None, device: str, image: str, sizes: list[int], repeats: int, decoding):
+    """One ``Captioner.caption`` call (decoding the photo, preprocessing, encoder, search) per
+    batch of the same photo, ``repeats`` times per size."""
+    from showattendtell.captioning.captioner import load_model
+    from showattendtell.captioning.catalog import default_model_path
+
+    captioner = load_model(model or default_model_path(), device)
+    captioner.decoding = captioner.check_decoding(**decoding)
+    results = {}
+    for size in sizes:
+        captioner.caption([image] * size)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            captioner.caption([image] * size)
+            times.append(time.perf_counter() - t)
+        a = np.array(times)
+        results[f"batch_{size}"] = {
+            "n": repeats,
+            "p50_s": round(float(np.percentile(a, 50)), 3),
+            "p95_s": round(float(np.percentile(a, 95)), 3),
+            "photos_per_s": round(size * repeats / float(a.sum()), 2),
+        }
+    return results
+
+
+def decoding_of(serve_args: list[str]) -> dict:
+    """The decoding options among `sat serve`'s arguments, for the direct call."""
+    from showattendtell.cli.common import add_decoding_args, decoding_overrides
+
+    p = argparse.ArgumentParser()
+    add_decoding_args(p)
+    known, _ = p.parse_known_args(serve_args)
+    return {k: v for k, v in decoding_overrides(known).items() if v is not None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model file or name (default: sat serve's default)")
+    p.add_argument("--image", default=str(DEFAULT_IMAGE))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--requests", type=int, default=32, help="requests per scenario")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--repeats", type=int, default=4, help="direct calls per batch size")
+    p.add_argument("serve_args", nargs="*", help="more `sat serve` options, after --")
+    args = p.parse_args()
+    import torch
+
+    report: dict = {
+        "model": args.model,
+        "image": args.image,
+        "serve_args": args.serve_args,
+        "cpus": os.cpu_count(),
+        "cpu_threads": torch.get_num_threads(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "runs": {},
+    }
+    port = free_port()
+    serve = ["--device", args.device, "--examples", *args.serve_args]
+    proc = start_sat_serve(port, [*serve, "--model", args.model] if args.model else serve)
+    url = f"http://127.0.0.1:{port}"
+    data = Path(args.image).read_bytes()
+    try:
+        http_requests(url, data, 2, [])  # warm-up: first-call allocations, connections
+        gradio_requests(url, args.image, 2, [])
+        for clients in args.clients:
+            report["runs"][f"http_{clients}"] = concurrent(
+                http_requests, url, data, args.requests, clients
+            )
+            report["runs"][f"gradio_{clients}"] = concurrent(
+                gradio_requests, url, args.image, args.requests, clients
+            )
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    report["direct"] = direct(
+        args.model, args.device, args.image, args.clients, args.repeats, decoding_of(serve)
+    )
+    report["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    for name, s in report["runs"].items():
+        print(
+            f"{name:10s} p50 {s['p50_s']:.3f}s  p95 {s['p95_s']:.3f}s  "
+            f"{s['throughput_per_s']:.2f} req/s  (n={s['n']})"
+        )
+    for name, s in report["direct"].items():
+        print(
+            f"direct {name:9s} p50 {s['p50_s']:.3f}s  p95 {s['p95_s']:.3f}s  "
+            f"{s['photos_per_s']:.2f} photos/s  (n={s['n']})"
+        )
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))  # service_latency's helpers
+    main()
