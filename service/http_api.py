@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from PIL import Image
 from starlette.concurrency import run_in_threadpool
@@ -70,18 +70,28 @@ def create_api(service: CaptionService, settings: ApiSettings) -> FastAPI:
         docs_url="/docs",
         redoc_url=None,
     )
-    metrics = Metrics(service)
-    app.state.metrics = metrics
+    app.state.metrics = Metrics(service)
+    app.state.admission = Admission(settings.concurrency, settings.queue_size)
     login = Login(settings.auth) if settings.auth else None
-    admission = Admission(settings.concurrency, settings.queue_size)
-    app.state.admission = admission
-    install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(Measured, metrics=metrics)  # outermost: counts the 413s too
 
     def logged_in(request: Request) -> None:
         if login is not None:
             login.check(request)
+
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Measured, metrics=app.state.metrics)  # outermost: counts the 413s too
+    service_routes(app, service, Depends(logged_in))
+    caption_routes(app, service, settings, Depends(logged_in))  # last: its catch-all
+    return app
+
+
+def caption_routes(
+    app: FastAPI, service: CaptionService, settings: ApiSettings, login: Any
+) -> None:
+    """POST /v1/captions, and the API's own 404 and 405 for any other path under /v1/ (not the
+    page's, mounted at /)."""
+    admission: Admission = app.state.admission
 
     @app.post(
         "/v1/captions",
@@ -89,9 +99,9 @@ def create_api(service: CaptionService, settings: ApiSettings) -> FastAPI:
         description=CAPTIONS_DESCRIPTION,
         openapi_extra=captions_schema(service, settings),
         response_class=JSONResponse,
+        dependencies=[login],
     )
     async def captions(request: Request) -> Response:
-        logged_in(request)
         async with admission:
             form = await read_form(request, settings.max_images)
             try:
@@ -105,9 +115,26 @@ def create_api(service: CaptionService, settings: ApiSettings) -> FastAPI:
             return Response(lines, media_type=JSONL)
         return JSONResponse({"records": records})
 
-    @app.get("/v1/models", summary="The models served, each with its decoding defaults")
-    async def models(request: Request) -> dict[str, Any]:
-        logged_in(request)
+    @app.api_route(
+        "/v1/{rest:path}",
+        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+        include_in_schema=False,
+    )
+    async def elsewhere(request: Request, rest: str) -> Response:
+        known = request.url.path in ("/v1/captions", "/v1/models")
+        raise StarletteHTTPException(405 if known else 404)
+
+
+def service_routes(app: FastAPI, service: CaptionService, login: Any) -> None:
+    """GET /v1/models, /healthz, /readyz and /metrics."""
+    metrics: Metrics = app.state.metrics
+
+    @app.get(
+        "/v1/models",
+        summary="The models served, each with its decoding defaults",
+        dependencies=[login],
+    )
+    async def models() -> dict[str, Any]:
         return {"models": [describe(c, i == 0) for i, c in enumerate(service.captioners.values())]}
 
     @app.get("/healthz", summary="Alive: the process answers")
@@ -123,23 +150,9 @@ def create_api(service: CaptionService, settings: ApiSettings) -> FastAPI:
             )
         return JSONResponse({"status": "ready", "models": service.names})
 
-    @app.get("/metrics", summary="Prometheus metrics (text format)")
-    async def prometheus(request: Request) -> Response:
-        logged_in(request)
+    @app.get("/metrics", summary="Prometheus metrics (text format)", dependencies=[login])
+    async def prometheus() -> Response:
         return Response(metrics.text(), media_type=metrics.content_type)
-
-    @app.api_route(
-        "/v1/{rest:path}",
-        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
-        include_in_schema=False,
-    )
-    async def elsewhere(request: Request, rest: str) -> Response:
-        """What no route answers under /v1/, as the API answers it (and not by the page,
-        mounted at /): 405 for a known path, else 404."""
-        known = request.url.path in ("/v1/captions", "/v1/models")
-        raise StarletteHTTPException(405 if known else 404)
-
-    return app
 
 
 CAPTIONS_DESCRIPTION = (

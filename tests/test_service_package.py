@@ -29,6 +29,10 @@ MODULES = (
     "serve",
     "options",
     "cache",
+    "http_api",
+    "api_guard",
+    "metrics",
+    "server",
 )
 
 
