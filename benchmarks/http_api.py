@@ -28,41 +28,66 @@ import numpy as np
 from service_latency import DEFAULT_IMAGE, free_port, start_sat_serve, summary
 
 
-def http_requests(url: str, image: bytes, n: int, out: list[float]) -> None:
-    with httpx.Client(base_url=url, timeout=600) as client:
-        for _ in range(n):
-            t = time.perf_counter()
-            response = client.post("/v1/captions", files=[("images", ("photo.jpg", image))])
-            out.append(time.perf_counter() - t)
-            assert response.status_code == 200, response.text
-            assert response.json()["records"][0]["words"]
+class HttpClient:
+    """One client of POST /v1/captions (httpx, one connection)."""
+
+    def __init__(self, url: str, image: Path):
+        self.client = httpx.Client(base_url=url, timeout=600)
+        self.data = image.read_bytes()
+
+    def request(self) -> None:
+        response = self.client.post("/v1/captions", files=[("images", ("photo.jpg", self.data))])
+        assert response.status_code == 200, response.text
+        assert response.json()["records"][0]["words"]
 
 
-def gradio_requests(url: str, image: str, n: int, out: list[float]) -> None:
-    from gradio_client import Client, handle_file
+class GradioClient:
+    """One client of Gradio's /caption (gradio_client; made before the timing starts, as it
+    fetches the app's configuration first)."""
 
-    client = Client(url + "/", verbose=False)
-    for _ in range(n):
-        t = time.perf_counter()
-        result = client.predict(handle_file(image), api_name="/caption")
-        out.append(time.perf_counter() - t)
+    def __init__(self, url: str, image: Path):
+        from gradio_client import Client, handle_file
+
+        self.client = Client(url + "/", verbose=False, httpx_kwargs={"timeout": 600})
+        self.file = handle_file(str(image))
+
+    def request(self) -> None:
+        result = self.client.predict(self.file, api_name="/caption")
         assert result["words"], result
 
 
-def concurrent(target, url: str, image, requests: int, clients: int) -> dict[str, float]:
-    """``requests`` requests spread over ``clients`` threads, each one client."""
-    latencies: list[float] = []
+def concurrent(make, url: str, image: Path, requests: int, clients: int) -> dict[str, float]:
+    """``requests`` requests spread over ``clients`` threads, each with its own client, made
+    before the clock starts; failed requests are counted, not timed."""
     per_client = max(1, requests // clients)
-    threads = [
-        threading.Thread(target=target, args=(url, image, per_client, latencies))
-        for _ in range(clients)
-    ]
-    t = time.perf_counter()
+    made = [make(url, image) for _ in range(clients)]
+    latencies: list[float] = []
+    failures: list[str] = []
+    start = threading.Barrier(clients + 1)
+
+    def run(client) -> None:
+        start.wait()
+        for _ in range(per_client):
+            t = time.perf_counter()
+            try:
+                client.request()
+            except Exception as e:  # a timeout under load: reported, not hidden
+                failures.append(f"{type(e).__name__}: {e}"[:200])
+                continue
+            latencies.append(time.perf_counter() - t)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in made]
     for th in threads:
         th.start()
+    start.wait()
+    t = time.perf_counter()
     for th in threads:
         th.join()
-    return summary(latencies, time.perf_counter() - t)
+    result = summary(latencies, time.perf_counter() - t) if latencies else {"n": 0}
+    result["failed"] = len(failures)
+    if failures:
+        result["first_failure"] = failures[0]
+    return result
 
 
 def direct(model: str | None, device: str, image: str, sizes: list[int], repeats: int, decoding):
@@ -122,32 +147,37 @@ def main() -> None:
         "load_avg_1m_start": round(os.getloadavg()[0], 2),
         "runs": {},
     }
+    image = Path(args.image)
+    if not image.is_file():  # before the server: a wrong path fails at once
+        raise SystemExit(f"--image {image}: no such file")
     port = free_port()
     serve = ["--device", args.device, "--examples", *args.serve_args]
     proc = start_sat_serve(port, [*serve, "--model", args.model] if args.model else serve)
     url = f"http://127.0.0.1:{port}"
-    data = Path(args.image).read_bytes()
     try:
-        http_requests(url, data, 2, [])  # warm-up: first-call allocations, connections
-        gradio_requests(url, args.image, 2, [])
+        for make in (HttpClient, GradioClient):  # warm-up: first-call allocations
+            warm = make(url, image)
+            warm.request()
+            warm.request()
         for clients in args.clients:
-            report["runs"][f"http_{clients}"] = concurrent(
-                http_requests, url, data, args.requests, clients
-            )
-            report["runs"][f"gradio_{clients}"] = concurrent(
-                gradio_requests, url, args.image, args.requests, clients
-            )
+            for name, make in (("http", HttpClient), ("gradio", GradioClient)):
+                report["runs"][f"{name}_{clients}"] = concurrent(
+                    make, url, image, args.requests, clients
+                )
     finally:
         proc.terminate()
         proc.wait(60)
     report["direct"] = direct(
-        args.model, args.device, args.image, args.clients, args.repeats, decoding_of(serve)
+        args.model, args.device, str(image), args.clients, args.repeats, decoding_of(serve)
     )
     report["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     for name, s in report["runs"].items():
+        if not s["n"]:
+            print(f"{name:10s} every request failed: {s.get('first_failure')}")
+            continue
         print(
             f"{name:10s} p50 {s['p50_s']:.3f}s  p95 {s['p95_s']:.3f}s  "
-            f"{s['throughput_per_s']:.2f} req/s  (n={s['n']})"
+            f"{s['throughput_per_s']:.2f} req/s  (n={s['n']}, failed {s['failed']})"
         )
     for name, s in report["direct"].items():
         print(

@@ -10,18 +10,16 @@ the signal goes on to `sat serve`'s handlers: Ctrl-C's 130, SIGTERM's 143.
 
 from __future__ import annotations
 
-import signal
 import socket
 import threading
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
-from showattendtell.errors import raise_terminated
+from showattendtell.errors import sigterm_as_ctrl_c
 
 from .cache import CacheBound
 from .http_api import ApiSettings, create_api
@@ -92,22 +90,11 @@ def run(app: FastAPI, host: str, port: int) -> None:
     """Serve until SIGINT or SIGTERM; then raise KeyboardInterrupt or ``Terminated`` once the
     requests in progress are answered."""
     sock = bind(host, port)
-    with terminating():
-        server(app).run(sockets=[sock])
-
-
-@contextmanager
-def terminating():
-    """SIGTERM raises ``Terminated`` (as Ctrl-C raises KeyboardInterrupt) while the block runs,
-    unless a handler is set already; uvicorn re-raises a signal it stopped on, once stopped."""
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        yield
+        with sigterm_as_ctrl_c():
+            server(app).run(sockets=[sock])
     finally:
-        if previous is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, previous)
+        sock.close()
 
 
 class Background:
