@@ -161,9 +161,9 @@ def main() -> None:
             warm.request()
         for clients in args.clients:
             for name, make in (("http", HttpClient), ("gradio", GradioClient)):
-                report["runs"][f"{name}_{clients}"] = concurrent(
-                    make, url, image, args.requests, clients
-                )
+                run = concurrent(make, url, image, args.requests, clients)
+                report["runs"][f"{name}_{clients}"] = run
+                print(f"{name}_{clients}", json.dumps(run), flush=True)  # as it goes
     finally:
         proc.terminate()
         proc.wait(60)
