@@ -26,6 +26,7 @@ from showattendtell.captioning.records import (
     ResumePoint,
     Writer,
     check_made_by,
+    low_output,
     open_output,
     output_format,
     scan_output,
@@ -40,7 +41,13 @@ from showattendtell.cli.common import (
     warn_ignored_decoding,
 )
 from showattendtell.errors import Terminated, UsageError, UserError, sigterm_as_ctrl_c
-from showattendtell.outputs import OutputLock, check_new_output, prepare_folder, printable_path
+from showattendtell.outputs import (
+    OutputError,
+    OutputLock,
+    check_new_output,
+    prepare_folder,
+    printable_path,
+)
 from showattendtell.search.options import DEFAULT_BATCH_SIZE
 
 if TYPE_CHECKING:
@@ -140,6 +147,15 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="also write one PNG per image: the caption over a grid of word panels, "
         "each showing where the model looked",
+    )
+    p.add_argument(
+        "--min-confidence",
+        type=float,
+        default=None,
+        metavar="X",
+        help="send the captions whose confidence (0..1, the probability that a caption is "
+        "good) is below X to a second file beside --output, OUT.low.jsonl for OUT.jsonl, in "
+        "the same format; --output keeps the others and the error records",
     )
     p.add_argument(
         "--resume",
@@ -360,6 +376,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--resume needs --output FILE (the file to continue)")
     if args.resume and args.overwrite:
         raise UsageError("--resume continues --output and --overwrite replaces it: give one")
+    if args.min_confidence is not None:
+        if not 0.0 <= args.min_confidence <= 1.0:
+            raise UsageError(f"--min-confidence must be from 0 to 1, not {args.min_confidence:g}")
+        if not args.output:
+            raise UsageError(
+                "--min-confidence sends low-confidence captions to a file beside --output: "
+                "give --output FILE"
+            )
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1")
     if args.lanes is not None and args.lanes < 1:
@@ -386,6 +410,7 @@ class Plan:
     fields: tuple[str, ...] | None  # the CSV columns of the file being continued
     sheets: dict[str, str] | None = None  # --overlays: the PNG name of each path to do
     made_by: list[dict] = field(default_factory=list)  # what made the file's captions (--resume)
+    low: ResumePoint | None = None  # --min-confidence --resume: what the low file holds
 
 
 def _plan(
@@ -408,21 +433,55 @@ def _plan(
         # locked first: a second run on a busy output is told so, whatever else it asked
         lock.append(OutputLock(out_path))
         check_new_output("--output", out_path, args.overwrite or args.resume, resume=True)
+    low = _plan_low(args, fmt, out_path, paths, lock)
     if args.resume and out_path is not None and existed:
         resume = scan_output(out_path, fmt, args.with_attention)  # refuses a foreign file
         warning = unmarked_warning(out_path, resume)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
-    todo = _not_done(paths, resume.done if resume else Counter())
+    done = (resume.done if resume else Counter()) + (low.done if low else Counter())
+    todo = _not_done(paths, done)
     sheets = None
     if todo and args.overlays:
         prepare_folder("--overlays", Path(args.overlays))
         names = overlay_names(paths)  # of every input: a resumed run names sheets the same
         sheets = {p: names[p] for p in todo}
         _check_sheets(Path(args.overlays), sheets, paths, args.overwrite or args.resume)
-    if resume is None:
-        return Plan(todo, len(paths) - len(todo), None, sheets), None
-    return Plan(todo, len(paths) - len(todo), resume.fields, sheets, resume.made_by), resume
+    made_by = resume.made_by if resume else []
+    made_by += [m for m in (low.made_by if low else []) if m not in made_by]
+    fields = resume.fields if resume else None
+    return Plan(todo, len(paths) - len(todo), fields, sheets, made_by, low), resume
+
+
+def _plan_low(
+    args: argparse.Namespace,
+    fmt: str,
+    out_path: Path | None,
+    paths: list[str],
+    lock: list[OutputLock],
+) -> ResumePoint | None:
+    """--min-confidence's file (OUT.low.jsonl beside OUT.jsonl): locked and checked like
+    --output; with --resume, what it already holds (its records count as done). A run resumed
+    without --min-confidence whose first run had it is refused: the records in the low file
+    would be captioned again into --output."""
+    if out_path is None:
+        return None
+    path = low_output(out_path)
+    if args.min_confidence is None:
+        if args.resume and path.is_file() and path.stat().st_size > 0:
+            raise UsageError(
+                f"--resume: {path} holds the low-confidence captions of the run being "
+                "continued: give its --min-confidence again"
+            )
+        return None
+    if _inputs_among([path], paths):
+        raise UsageError(f"--min-confidence's file {path} is one of the photos to caption")
+    existed = path.exists()
+    lock.append(OutputLock(path))
+    check_new_output("--min-confidence's file", path, args.overwrite or args.resume, resume=True)
+    if args.resume and existed:
+        return scan_output(path, fmt, args.with_attention)
+    return None
 
 
 def _not_done(paths: list[str], done: Counter[str]) -> list[str]:
@@ -606,11 +665,30 @@ def _caption(
     if procs.rank == 0 and args.output:
         stream = open_output(Path(args.output), resume if args.resume else None)
     writer = Writer(fmt, args.with_attention, stream, plan.fields, made_by)
+    if args.min_confidence is not None:
+        _open_low(writer, args, plan, fmt, procs.rank == 0)
     fresh = fmt == "csv" and plan.fields is None
     overlays = None
     if args.overlays and plan.sheets is not None:
         overlays = {p: Path(args.overlays) / name for p, name in plan.sheets.items()}
     return _caption_loop(captioner, plan, args, decoding, writer, fresh, overlays, procs)
+
+
+def _open_low(writer: Writer, args: argparse.Namespace, plan: Plan, fmt: str, main: bool) -> None:
+    """Give ``writer`` the writer of --min-confidence's file (on the first process: opened,
+    cut back to its last whole record when resumed, a CSV header when it is new)."""
+    low_fields = plan.low.fields if plan.low is not None else None
+    stream = None
+    if main:
+        path = low_output(Path(args.output))
+        stream = open_output(path, plan.low if args.resume else None)
+    writer.low = Writer(fmt, args.with_attention, stream, low_fields, writer.made_by)
+    writer.min_confidence = args.min_confidence
+    if main and fmt == "csv" and low_fields is None:
+        try:
+            writer.low.header()
+        except OSError as e:
+            raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _nothing_to_do(plan: Plan, args: argparse.Namespace) -> int:
@@ -662,8 +740,9 @@ def _caption_loop(
         error = f"a captioning process stopped ({str(e).splitlines()[0][:200]})"
     finally:
         records.close()
-        if writer.stream is not None:
-            writer.stream.close()
+        for w in (writer, writer.low):
+            if w is not None and w.stream is not None:
+                w.stream.close()
     if not main:
         return 0 if error is None else 1
     return _exit_status(plan, args, written, interrupted, error, hint)
@@ -677,6 +756,7 @@ class _Written:
     def __init__(self) -> None:
         self.ok = 0
         self.failures: list[Record] = []
+        self.low = 0  # captions sent to --min-confidence's file
 
 
 def _my_records(
@@ -742,8 +822,9 @@ def _write_steps(
         ]
         parts = procs.gather(lines)
         for part in parts or []:
-            for path, line, failure in part:
-                writer.write_line(line)
+            for path, line, failure, low in part:
+                (writer.low if low else writer).write_line(line)
+                written.low += low
                 if failure is None:
                     written.ok += 1
                 else:
@@ -778,6 +859,12 @@ def _exit_status(
         resume_command(args),
         "-" in args.paths,
     )
+    if args.min_confidence is not None and args.output:
+        print(
+            f"{written.low} captions below --min-confidence {args.min_confidence:g} went to "
+            f"{printable_path(str(low_output(Path(args.output))))}",
+            file=sys.stderr,
+        )
     if interrupted:
         return interrupted
     return 1 if written.failures else 0
@@ -785,9 +872,9 @@ def _exit_status(
 
 def _formatted(
     rec: Record, writer: Writer, overlays: dict[str, Path] | None
-) -> tuple[str, str, str | None]:
-    """(path, output line, error or None) for one record; its overlay and warning done here, by
-    the process that captioned it."""
+) -> tuple[str, str, str | None, bool]:
+    """(path, output line, error or None, whether it goes to --min-confidence's file) for one
+    record; its overlay and warning done here, by the process that captioned it."""
     if rec.result is not None and overlays is not None:
         try:
             write_overlay(overlays[rec.path], rec)
@@ -795,7 +882,8 @@ def _formatted(
             print(f"warning: no overlay for {rec.path}: {e}", file=sys.stderr)
     if rec.result is not None and rec.result.warning:
         print(f"warning: {rec.path}: {rec.result.warning}", file=sys.stderr)
-    return rec.path, writer.line(rec), rec.error
+    target = writer.target(rec)
+    return rec.path, target.line(rec), rec.error, target is not writer
 
 
 def _summary(
