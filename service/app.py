@@ -331,6 +331,57 @@ def build_app(
     return app
 
 
+def prepare(
+    service: CaptionService,
+    max_upload_mb: float = 10.0,
+    examples: Sequence[Path] = (),
+    concurrency: int = 8,
+    queue_size: int = 64,
+    cache: CacheBound | None = None,
+    session_minutes: float | None = None,
+    max_sessions: int = 1000,
+) -> gr.Blocks:
+    """The app built, with its queue, cache bound and session capacity: what launching and
+    mounting it share."""
+    service.max_upload_bytes = int(max_upload_mb * 2**20)
+    minutes = DEFAULT_SESSION_MINUTES if session_minutes is None else session_minutes
+    app = build_app(service, examples, concurrency=concurrency, session_ttl_s=minutes * 60)
+    app.queue(max_size=queue_size)
+    app.state_session_capacity = max_sessions  # what launch(state_session_capacity=) sets
+    service.cache = cache or CacheBound(None)
+    service.cache.start(app)
+    return app
+
+
+def mount(
+    api: Any,
+    service: CaptionService,
+    guard: Guard,
+    max_upload_mb: float = 10.0,
+    auth: Sequence[tuple[str, str]] | None = None,
+    **settings: Any,
+) -> gr.Blocks:
+    """Mount the page (and Gradio's /caption API) at / of the FastAPI app ``api``, as Gradio
+    documents (``gr.mount_gradio_app``): one server serves both, behind ``guard``'s middleware
+    (in front of ``api``). ``settings``: :func:`prepare`'s."""
+    app = prepare(service, max_upload_mb, **settings)
+    gr.mount_gradio_app(
+        api,
+        app,
+        path="/",
+        footer_links=["api"],
+        auth=list(auth) if auth else None,
+        max_file_size=int(max_upload_mb * 2**20),
+        ssr_mode=False,
+        css=CSS,
+        js=REFUSAL_JS,
+        app_kwargs={"exception_handlers": EXCEPTION_HANDLERS},
+    )
+    guard.blocks = app
+    guard.page_app = api.routes[-1].app  # the Mount just added: Gradio's app, its logins
+    return app
+
+
 def launch(
     service: CaptionService,
     host: str = "127.0.0.1",
@@ -347,26 +398,30 @@ def launch(
     guard: Guard | None = None,
     quiet: bool | None = None,
 ) -> gr.Blocks:
-    """Build and start the app; ``block=False`` returns once it serves (tests, benchmarks,
-    `sat serve`, which stops it itself); ``quiet``: no address printed (default: not block).
-    ``auth``: (user, password) pairs; the page and the API then need a login. ``cache``: the
-    bound on Gradio's cache folder (None: unbounded). ``session_minutes``: how long a browser
-    session's captioned photo is kept (None: the default hour); ``max_sessions``: sessions
-    remembered at most (the oldest are forgotten first; every API client is one). ``guard``:
-    the state of the middleware in front of the app (login on every route, failed-login
-    throttle, full disk, draining on stop); `sat serve` keeps it to stop gracefully.
+    """Build and start the page alone on Gradio's own server (`sat serve` mounts it beside the
+    HTTP API instead: :func:`mount`); ``block=False`` returns once it serves (tests,
+    benchmarks); ``quiet``: no address printed (default: not block). ``auth``: (user, password)
+    pairs; the page then needs a login. ``cache``: the bound on Gradio's cache folder (None:
+    unbounded). ``session_minutes``: how long a browser session's captioned photo is kept
+    (None: the default hour); ``max_sessions``: sessions remembered at most (the oldest are
+    forgotten first; every API client is one). ``guard``: the state of the middleware in front
+    of the app (login on every route, failed-login throttle, full disk, draining on stop).
 
     Gradio copies the example photos into its cache when the app is built; requests can only
     name files in its upload folder or cache, so no other file on the machine is served or read.
     """
-    service.max_upload_bytes = int(max_upload_mb * 2**20)
-    minutes = DEFAULT_SESSION_MINUTES if session_minutes is None else session_minutes
-    app = build_app(service, examples, concurrency=concurrency, session_ttl_s=minutes * 60)
-    app.queue(max_size=queue_size)
-    service.cache = cache or CacheBound(None)
-    service.cache.start(app)
+    app = prepare(
+        service,
+        max_upload_mb,
+        examples,
+        concurrency,
+        queue_size,
+        cache,
+        session_minutes,
+        max_sessions,
+    )
     guard = guard or Guard()
-    guard.login_required = bool(auth)
+    guard.require(auth)
     guard.blocks = app
     app.launch(
         server_name=host,

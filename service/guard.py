@@ -1,9 +1,11 @@
-"""The ASGI middleware in front of the Gradio app: the login on every route, the failed-login
-throttle, a clear answer when the disk is full, and the drain when the service stops.
+"""The ASGI middleware in front of the page and the HTTP API: the login on every route (the
+page's cookie or HTTP Basic auth with the same credentials), the failed-login throttle, a clear
+answer when the disk is full, and the drain when the service stops.
 
 It is plain ASGI (not Starlette's BaseHTTPMiddleware) so that the queue's event streams pass
-through unbuffered. Gradio builds the FastAPI app itself; ``launch`` hands it this middleware
-through ``app_kwargs``, and a :class:`Guard` shared with `sat serve` holds its state.
+through unbuffered. `sat serve` puts it in front of the one FastAPI app that serves both
+(``server.build``); ``app.launch``, the page alone on Gradio's own server, hands it to Gradio
+through ``app_kwargs``. A :class:`Guard` shared with `sat serve` holds its state.
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from .login import (
+    API_PREFIXES,
+    BASIC_CHALLENGE,
     LOGIN_PATHS,
     NOT_LOGGED_IN,
+    Credentials,
     LoginThrottle,
+    basic_credentials,
     logged_in,
     needs_login,
     throttled_message,
@@ -68,13 +74,21 @@ class Guard:
         login_required: bool = False,
         throttle: LoginThrottle | None = None,
         open_prefixes: tuple[str, ...] = (),
+        credentials: Credentials | None = None,
     ):
         self.login_required = login_required
         self.throttle = throttle or LoginThrottle()
         self.open_prefixes = open_prefixes  # routes that check their own credentials
+        self.credentials = credentials or Credentials()  # for HTTP Basic auth
         self.draining = False
         self.open_requests = 0  # POSTs and event streams being answered now
         self.blocks: Any = None  # the Gradio app: its queue holds the events not yet answered
+        self.page_app: Any = None  # Gradio's server app when mounted: it issues the logins
+
+    def require(self, auth: Any) -> None:
+        """Ask for a login on every route when ``auth`` has (user, password) pairs."""
+        self.login_required = bool(auth)
+        self.credentials = Credentials(auth or ())
 
     def queued(self) -> int:
         """Events the queue took and has not yet delivered (waiting, running or sending)."""
@@ -113,9 +127,11 @@ class GuardMiddleware:
         if guard.login_required and path in LOGIN_PATHS and method == "POST":
             await self.login(scope, receive, send, client)
             return
-        if guard.login_required and needs_login(path, guard.open_prefixes) and not logged_in(scope):
-            log.info("refused %s %s from %s: not logged in", method, path, client)
-            await answer(send, 401, NOT_LOGGED_IN)
+        if (
+            guard.login_required
+            and needs_login(path, guard.open_prefixes)
+            and not await self.admitted(scope, send, client)
+        ):
             return
         counted = method == "POST" or path.startswith(STREAM_PREFIXES)
         guard.open_requests += counted
@@ -124,34 +140,73 @@ class GuardMiddleware:
         finally:
             guard.open_requests -= counted
 
+    async def admitted(self, scope: Scope, send: Send, client: str) -> bool:
+        """Whether the request is logged in: the page's cookie, or HTTP Basic auth with the
+        service's credentials (a wrong one counted by the throttle). Answers it if not."""
+        guard, path = self.guard, scope.get("path", "")
+        basic = basic_credentials(scope)
+        if basic is None:
+            if logged_in(scope, guard.page_app):
+                return True
+            log.info("refused %s %s from %s: not logged in", scope.get("method"), path, client)
+            challenge = BASIC_CHALLENGE if path.startswith(API_PREFIXES) else None
+            await answer(send, 401, NOT_LOGGED_IN, challenge)
+            return False
+        wait = guard.throttle.wait_s(client)
+        if wait > 0:
+            log.info("refused a login from %s: locked out for %.0f s more", client, wait)
+            await answer(send, 429, throttled_message(wait), {"retry-after": f"{wait:.0f}"})
+            return False
+        if guard.credentials.valid(*basic):
+            guard.throttle.succeeded(client)
+            return True
+        guard.throttle.failed(client)
+        log.info("failed login from %s (HTTP Basic auth on %s)", client, path)
+        await answer(send, 401, NOT_LOGGED_IN, BASIC_CHALLENGE)
+        return False
+
     async def answered(self, scope: Scope, receive: Receive, send: Send, client: str) -> None:
         """The app's answer; a full disk before the answer started becomes a 507 that says so
-        (and the next request, with space back, is served as usual)."""
+        (and the next request, with space back, is served as usual). A 500 is held until the
+        app returns: a mounted app's error middleware sends its 500 before raising the error,
+        which may be a full disk."""
         started = False
         direct = scope.get("method") == "POST" and scope["path"].startswith(DIRECT_PREFIXES)
-        held: Message | None = None  # a 500 from a direct route, until its body says why
+        held: list[Message] = []  # a 500 (start and body) until the app has returned
 
         async def tracked(message: Message) -> None:
-            nonlocal started, held
+            nonlocal started
             if message["type"] == "http.response.start":
-                started = True
-                if direct and message["status"] == 500:
-                    held = message
+                if message["status"] == 500:
+                    held.append(message)
                     return
-            elif held is not None:
-                held["status"] = refused_status(message.get("body", b""))
-                await send(held)
-                held = None
+                started = True
+            elif held:
+                held.append(message)
+                return
             await send(message)
 
         try:
             await self.app(scope, receive, tracked)
         except Exception as e:
             if not disk_full(e):
+                await self.release(held, direct, send)
                 raise
             log.warning("refused %s from %s: the disk is full (%s)", scope["path"], client, e)
             if not started:
                 await answer(send, 507, DISK_FULL)
+            return
+        await self.release(held, direct, send)
+
+    @staticmethod
+    async def release(held: list[Message], direct: bool, send: Send) -> None:
+        """Send a held 500; a direct route's with the status its body says (refused_status)."""
+        if not held:
+            return
+        if direct:
+            held[0]["status"] = refused_status(b"".join(m.get("body", b"") for m in held[1:]))
+        for message in held:
+            await send(message)
 
     async def login(self, scope: Scope, receive: Receive, send: Send, client: str) -> None:
         """A login attempt: refused unchecked while the client is locked out; its result
@@ -190,9 +245,15 @@ def refused_status(body: bytes) -> int:
     return 500 if not error or error == SERVICE_FAILED else 400
 
 
+def refusal(message: str) -> dict[str, str]:
+    """The body of every refusal, the page's and the HTTP API's: ``{"error": message}``, with
+    ``detail`` too, where FastAPI clients look."""
+    return {"error": message, "detail": message}
+
+
 async def answer(send: Send, status: int, message: str, headers: dict[str, str] | None = None):
-    """A JSON error ``{"error": message}`` (``detail`` too, where FastAPI clients look)."""
-    body = json.dumps({"error": message, "detail": message}).encode()
+    """A JSON refusal (:func:`refusal`) sent straight from ASGI."""
+    body = json.dumps(refusal(message)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

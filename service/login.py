@@ -9,10 +9,13 @@ waits, so a client guessing passwords slows no one else down.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
+import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +41,22 @@ PUBLIC_PATHS = frozenset(
         "/gradio_api/app_id",
         "/gradio_api/app_id/",
         "/gradio_api/startup-events",  # starts the queue once; launch() calls it unlogged
+        "/healthz",  # a load balancer's probes: they say only whether the service answers
+        "/readyz",
     }
 )
 PUBLIC_PREFIXES = ("/assets/", "/static/", "/svelte/", "/pwa_icon")
 LOGIN_PATHS = frozenset({"/login", "/login/"})
 
-NOT_LOGGED_IN = "log in first: this service needs a login (POST /login with username and password)"
+NOT_LOGGED_IN = (
+    "log in first: this service needs a login (the page: POST /login with username and "
+    "password; the HTTP API: the same user:password with HTTP Basic auth, e.g. curl -u "
+    "user:password)"
+)
+# Routes a program calls: a 401 there asks for HTTP Basic auth (a browser asks for the
+# password itself); the page's routes do not, so that its login form stays the only prompt.
+API_PREFIXES = ("/v1/", "/metrics", "/openapi.json", "/docs")
+BASIC_CHALLENGE = {"www-authenticate": 'Basic realm="sat serve"'}
 
 
 def needs_login(path: str, open_prefixes: tuple[str, ...] = ()) -> bool:
@@ -54,9 +67,10 @@ def needs_login(path: str, open_prefixes: tuple[str, ...] = ()) -> bool:
     return not path.startswith(PUBLIC_PREFIXES + open_prefixes)
 
 
-def logged_in(scope: dict[str, Any]) -> bool:
-    """Whether the request carries a login Gradio issued (its access-token cookie)."""
-    app = scope.get("app")
+def logged_in(scope: dict[str, Any], app: Any = None) -> bool:
+    """Whether the request carries a login Gradio issued (its access-token cookie). ``app``:
+    Gradio's server app that issued it (None: the request's own app)."""
+    app = app if app is not None else scope.get("app")
     cookies = parse_cookies(scope)
     cookie_id = getattr(app, "cookie_id", None)
     tokens = getattr(app, "tokens", {}) or {}
@@ -75,6 +89,37 @@ def parse_cookies(scope: dict[str, Any]) -> dict[str, str]:
         if name == b"cookie":
             return cookie_parser(value.decode("latin-1"))
     return {}
+
+
+def basic_credentials(scope: dict[str, Any]) -> tuple[bytes, bytes] | None:
+    """The user and password of the request's HTTP Basic auth (None: it sends none); a header
+    that cannot be read counts as a wrong login (empty user and password)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() != "basic":
+                return None
+            try:
+                user, sep, password = base64.b64decode(token, validate=True).partition(b":")
+            except (binascii.Error, ValueError):
+                return b"", b""
+            return (user, password) if sep else (b"", b"")
+    return None
+
+
+class Credentials:
+    """The service's ``user:password`` pairs (``--auth-file``, ``$SAT_SERVE_AUTH``) checked as
+    HTTP Basic auth: one set of credentials for the page and the API, nothing new to hand out
+    or rotate. Compared in constant time."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]] = ()):
+        self.pairs = [(u.encode(), p.encode()) for u, p in pairs]
+
+    def valid(self, user: bytes, password: bytes) -> bool:
+        ok = False
+        for u, p in self.pairs:  # every pair compared: the time says nothing of which matched
+            ok |= secrets.compare_digest(u, user) & secrets.compare_digest(p, password)
+        return ok
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""`sat serve`: start the Gradio web UI and API (imports torch and gradio only when run)."""
+"""`sat serve`: start the web page and the HTTP API in one server (imports torch, FastAPI and
+Gradio only when run; Gradio not at all with ``--api-only``)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ class ServeError(UsageError):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="start the web UI and API (Gradio) on 127.0.0.1:7860",
-        description="Serve the captioner in the browser and through Gradio's API "
-        "(api_name='/caption').",
+        help="start the web UI and the HTTP API on 127.0.0.1:7860",
+        description="Serve the captioner in the browser, through the HTTP API (POST "
+        "/v1/captions, docs/service.md) and through Gradio's API (api_name='/caption').",
     )
     add_model_arg(p, menu=True)
     add_device_args(p)
@@ -89,6 +90,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="example images or folders shown under the upload (default: the photos "
         "shipped in service/examples/; none: --examples with no path)",
+    )
+    p.add_argument(
+        "--api-only",
+        action="store_true",
+        help="serve the HTTP API (/v1/...) without the page and without importing Gradio",
+    )
+    p.add_argument(
+        "--max-images",
+        type=int,
+        default=32,
+        help="most photos in one POST /v1/captions request (default 32)",
     )
     add_bounds(p)
     add_decoding_args(p)  # the defaults of the UI controls and of the API, for every model
@@ -182,6 +194,7 @@ def check_options(args: argparse.Namespace) -> None:
         ("--concurrency", args.concurrency),  # 0: every request would wait for ever
         ("--max-batch", args.max_batch),
         ("--queue-size", args.queue_size),  # 0: every request would be refused
+        ("--max-images", args.max_images),
     ):
         if value < 1:
             raise ServeError(f"{flag} must be at least 1, not {value}")
@@ -262,9 +275,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     folder = cache_folder()
     os.environ["GRADIO_TEMP_DIR"] = str(folder)  # Gradio reads it as it builds the app
-    from showattendtell.service.app import launch
     from showattendtell.service.cache import CacheBound
     from showattendtell.service.guard import Guard
+    from showattendtell.service.http_api import ApiSettings
+    from showattendtell.service.server import Background, PageSettings, build
     from showattendtell.service.uploads import find_examples
     from showattendtell.service.worker import load_service
 
@@ -280,33 +294,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     except ValueError as e:  # resolve_device: no CUDA GPU
         raise ServeError(str(e)) from None
-    cache = CacheBound(
-        int(args.cache_mb * 2**20) or None, args.cache_hours * 3600 or None, folder=folder
+    settings = ApiSettings(
+        int(args.max_upload_mb * 2**20), args.max_images, args.concurrency, args.queue_size, auth
     )
+    page = None
+    if not args.api_only:
+        cache = CacheBound(
+            int(args.cache_mb * 2**20) or None, args.cache_hours * 3600 or None, folder=folder
+        )
+        page = PageSettings(
+            find_examples(args.examples), cache, args.session_minutes, args.max_sessions
+        )
     guard = Guard()
     with stop_requested() as stop:
         try:
-            app = launch(
-                service,
-                args.host,
-                args.port,
-                args.max_upload_mb,
-                find_examples(args.examples),
-                args.concurrency,
-                args.queue_size,
-                auth=auth,
-                cache=cache,
-                session_minutes=args.session_minutes,
-                max_sessions=args.max_sessions,
-                block=False,
-                quiet=False,
-                guard=guard,
-            )
+            server = Background(build(service, settings, page, guard), args.host, args.port)
         except OSError as e:  # the port was taken while the models loaded
             service.close()
             raise ServeError(port_message(args.host, args.port, e)) from None
+        print(f"Running on local URL:  {server.url}", flush=True)
         try:
-            serve_until_stopped(app, guard, stop, STOP_GRACE_S)
+            serve_until_stopped(server, guard, stop, STOP_GRACE_S)
         finally:
             service.close()
     return 0

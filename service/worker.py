@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +36,7 @@ class _Job:
     captioner: Captioner
     tensor: torch.Tensor
     decoding: DecodingConfig  # complete: the model's defaults with the request's overrides
+    warning: str | None = None  # the photo's own (a degenerate photo), added to its result
     future: Future = field(default_factory=Future)
 
     @property
@@ -69,11 +70,28 @@ class CaptionService:
         self.captioners = captioners
         self.max_upload_bytes = max_upload_bytes  # for images sent inline (data URLs)
         self.max_batch = max(1, max_batch)
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        # each item: the photos of one call, captioned in one batch when the worker is free
+        self._queue: queue.Queue[list[_Job] | None] = queue.Queue()
+        self._waiting = 0  # photos queued (an item holds one or more)
+        self._lock = threading.Lock()
         self._worker = threading.Thread(target=self._run, name="caption-worker", daemon=True)
         self._worker.start()
         self.batch_sizes: list[int] = []  # observed batch sizes (for tests and benchmarks)
         self.cache = CacheBound(None)  # Gradio's cache bound; launch() sets the real one
+        # called from the worker thread after every batch: its size, then each caption made
+        # (warning included); the HTTP API's metrics count them here, the page's and API's alike
+        self.on_batch: list[Callable[[int], None]] = []
+        self.on_caption: list[Callable[[CaptionResult], None]] = []
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker thread still takes requests (not after ``close``)."""
+        return self._worker.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        """Photos waiting for the worker (not those in the batch it is captioning now)."""
+        return self._waiting
 
     @property
     def names(self) -> list[str]:
@@ -112,14 +130,38 @@ class CaptionService:
         (resolved: :meth:`decoding`) None: the model's defaults. The result's warning flags a
         degenerate photo; its ``consensus`` holds the beams' consensus scores when they were
         reranked by them."""
+        return self.submit(image, model, decoding).result(timeout=timeout)
+
+    def submit(
+        self, image: Image.Image, model: str | None = None, decoding: DecodingConfig | None = None
+    ) -> Future[CaptionResult]:
+        """Queue one decoded RGB image and return at once: the future's result comes when the
+        worker has captioned it."""
+        return self.submit_all([image], model, decoding)[0]
+
+    def submit_all(
+        self,
+        images: Sequence[Image.Image],
+        model: str | None = None,
+        decoding: DecodingConfig | None = None,
+    ) -> list[Future[CaptionResult]]:
+        """:meth:`submit` for several photos (one HTTP request's), queued as one item: the
+        worker captions them in one batch (``max_batch`` photos at a time) without a thread
+        waiting on each."""
         captioner = self.get(model)
-        job = _Job(
-            captioner, preprocess(image, captioner.input_size), decoding or captioner.decoding
-        )
-        self._queue.put(job)
-        result = job.future.result(timeout=timeout)
-        result.add_warning(image_warning(image))
-        return result
+        jobs = [
+            _Job(
+                captioner,
+                preprocess(image, captioner.input_size),
+                decoding or captioner.decoding,
+                image_warning(image),
+            )
+            for image in images
+        ]
+        with self._lock:
+            self._waiting += len(jobs)
+        self._queue.put(jobs)
+        return [job.future for job in jobs]
 
     def close(self) -> None:
         self.cache.stop()
@@ -130,26 +172,30 @@ class CaptionService:
             first = self._queue.get()
             if first is None:
                 return
-            jobs, stop = [first], False
+            jobs, stop = list(first), False
             while len(jobs) < self.max_batch:
                 try:
-                    job = self._queue.get_nowait()
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if job is None:
+                if item is None:
                     stop = True
                     break
-                jobs.append(job)
+                jobs += item
+            with self._lock:
+                self._waiting -= len(jobs)
             groups: dict[tuple, list[_Job]] = {}
             for job in jobs:
                 groups.setdefault(job.key, []).append(job)
             for group in groups.values():
-                self._run_group(group)
+                for start in range(0, len(group), self.max_batch):
+                    self._run_group(group[start : start + self.max_batch])
             if stop:
                 return
 
     def _run_group(self, group: list[_Job]) -> None:
         self.batch_sizes.append(len(group))
+        self._notify(self.on_batch, len(group))
         first = group[0]
         try:
             results = first.captioner.caption_batch(
@@ -161,7 +207,17 @@ class CaptionService:
                 job.future.set_exception(e)
             return
         for job, one in zip(group, results, strict=True):
+            one.add_warning(job.warning)
+            self._notify(self.on_caption, one)
             job.future.set_result(one)
+
+    @staticmethod
+    def _notify(listeners: list[Callable[[Any], None]], value: Any) -> None:
+        for listener in listeners:
+            try:
+                listener(value)
+            except Exception:  # a metric that fails must not fail a caption
+                log.exception("a service listener failed")
 
 
 def model_paths(specs: Sequence[str | Path] | None) -> list[list[Path]]:

@@ -46,6 +46,8 @@ LOCAL_IMPORTS_ALLOWED = {
     "showattendtell.cli.caption": "its run imports the job once the cheap checks passed",
     "showattendtell.cli.models": "its run imports the model file reader",
     "showattendtell.service.serve": "its run imports the app once the checks passed",
+    "showattendtell.service.server": "the page (Gradio) is imported only when it is served: "
+    "`sat serve --api-only` never imports Gradio",
     # Parsers whose run-time helpers still import what each needs (torch, the model, the
     # metrics) where it is used: split into a parser and a job as `sat caption` is, each
     # would import its job once.

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from showattendtell.service.app import launch
+from showattendtell.service.http_api import ApiSettings
+from showattendtell.service.server import Background, PageSettings, build
 from showattendtell.service.uploads import find_examples
 from showattendtell.service.worker import CaptionService, load_service
 
 from helpers.photos import encode
-from helpers.processes import free_port
+from helpers.processes import free_port  # noqa: F401 (the service tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,9 +122,10 @@ def indexed_service(tiny_model_file: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(service: CaptionService):
-    """The app served on 127.0.0.1 (a free port) exactly as `sat serve` does, 1 MB upload limit,
-    with the shipped example photos."""
-    port = free_port()
-    app = launch(service, "127.0.0.1", port, max_upload_mb=1, block=False, examples=find_examples())
-    yield f"http://127.0.0.1:{port}/"
-    app.close()
+    """The page served on 127.0.0.1 (a free port) exactly as `sat serve` does: mounted beside
+    the HTTP API in one server, behind the guard, 1 MB upload limit, the shipped example
+    photos."""
+    settings = ApiSettings(max_upload_bytes=2**20)
+    running = Background(build(service, settings, PageSettings(examples=find_examples())))
+    yield running.url + "/"
+    running.close()

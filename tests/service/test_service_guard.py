@@ -19,12 +19,15 @@ from showattendtell.service.guard import (  # noqa: E402
     DISK_FULL,
     SERVICE_FAILED,
     Guard,
+    GuardMiddleware,
+    answer,
     disk_full,
     refused_status,
 )
 from showattendtell.service.login import LoginThrottle, needs_login  # noqa: E402
 from showattendtell.service.uploads import NOT_AN_UPLOAD, refuse_urls  # noqa: E402
 from showattendtell.service.worker import ServiceError  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
 
 
 class Clock:
@@ -130,6 +133,47 @@ def test_direct_routes_answer_refusals_with_400_not_500():
     assert refused_status(body(SERVICE_FAILED)) == 500
     assert refused_status(body(None)) == 500
     assert refused_status(b"Internal Server Error") == 500
+
+
+async def _ok(scope, receive, send) -> None:
+    await answer(send, 200, "ok")
+
+
+def test_http_basic_auth_on_every_route_with_the_throttle():
+    """The HTTP API's login is the guard's: the page's credentials as HTTP Basic auth on every
+    route (the API description too), wrong ones counted by the same throttle; a 401 asks a
+    program for Basic auth, not the page's own routes (a browser would pop up a dialog)."""
+    guard = Guard(throttle=LoginThrottle(free=2, base_s=60))
+    guard.require([("alice", "pw:x")])
+    client = TestClient(GuardMiddleware(_ok, guard))
+    for path in ("/v1/models", "/openapi.json", "/metrics", "/gradio_api/info"):
+        refused = client.get(path)
+        assert refused.status_code == 401 and "curl -u" in refused.json()["error"]
+        assert ("www-authenticate" in refused.headers) == (path != "/gradio_api/info")
+        assert client.get(path, auth=("alice", "pw:x")).status_code == 200
+    assert client.get("/healthz").status_code == 200  # load balancers' probes
+    assert client.get("/v1/models", headers={"authorization": "Basic %%%"}).status_code == 401
+    assert client.get("/v1/models", auth=("alice", "wrong")).status_code == 401
+    locked = client.get("/v1/models", auth=("alice", "pw:x"))  # right, but locked out
+    assert locked.status_code == 429 and locked.headers["retry-after"]
+    assert "too many failed logins" in locked.json()["error"]
+
+
+def test_a_500_sent_before_a_full_disk_is_raised_becomes_507():
+    """A mounted app's error middleware answers 500 and then raises the error: a full disk is
+    still answered 507; any other 500 passes unchanged."""
+
+    def failing(error: Exception):
+        async def app(scope, receive, send) -> None:
+            await answer(send, 500, "Internal Server Error")
+            raise error
+
+        return TestClient(GuardMiddleware(app, Guard()), raise_server_exceptions=False)
+
+    full = failing(OSError(errno.ENOSPC, "No space left on device")).post("/gradio_api/upload")
+    assert full.status_code == 507 and full.json()["error"] == DISK_FULL
+    other = failing(ValueError("bug")).post("/gradio_api/upload")
+    assert other.status_code == 500
 
 
 def test_drain_waits_for_requests_in_flight_then_says_how_many_are_left():

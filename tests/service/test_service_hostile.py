@@ -21,10 +21,11 @@ from helpers.photos import photo
 gr = pytest.importorskip("gradio")
 import httpx  # noqa: E402
 from helpers.service import free_port, server, service, tiny_expected_file  # noqa: E402, F401
-from showattendtell.service.app import launch  # noqa: E402
 from showattendtell.service.blocks import EXAMPLE_PHOTO  # noqa: E402
 from showattendtell.service.guard import DISK_FULL, Guard  # noqa: E402
+from showattendtell.service.http_api import ApiSettings  # noqa: E402
 from showattendtell.service.login import LoginThrottle  # noqa: E402
+from showattendtell.service.server import Background, PageSettings, build  # noqa: E402
 from showattendtell.service.uploads import NOT_AN_UPLOAD  # noqa: E402
 from showattendtell.service.worker import CaptionService  # noqa: E402
 
@@ -107,13 +108,16 @@ def test_failed_logins_are_throttled_and_every_route_needs_the_login(
 ):
     clock = Clock()
     guard = Guard(throttle=LoginThrottle(free=5, base_s=2.0, clock=clock))
-    port = free_port()
-    app = launch(service, "127.0.0.1", port, block=False, auth=[("alice", "s3cret")], guard=guard)
-    url = f"http://127.0.0.1:{port}"
+    settings = ApiSettings(auth=[("alice", "s3cret")])
+    running = Background(build(service, settings, PageSettings(), guard))  # as `sat serve`
+    url = running.url
     try:
         with httpx.Client(base_url=url) as web:
             for path in (
                 "/openapi.json",
+                "/docs",
+                "/v1/models",
+                "/metrics",
                 "/gradio_api/openapi.json",
                 "/gradio_api/info",
                 "/gradio_api/queue/status",
@@ -141,10 +145,11 @@ def test_failed_logins_are_throttled_and_every_route_needs_the_login(
             clock.now += 3600
             assert web.post("/login", data=right).status_code == 200
             assert web.get("/openapi.json").status_code == 200  # the login's cookie
+            assert web.get("/v1/models").status_code == 200
             r = web.post("/login", data={"username": "alice", "password": "guess"})
             assert r.status_code == 400  # a success forgot the failures
     finally:
-        app.close()
+        running.close()
 
 
 def test_a_full_disk_gets_a_message_and_the_service_recovers(

@@ -32,6 +32,10 @@ MODULES = (
     "login",
     "guard",
     "blocks",
+    "http_api",
+    "api_guard",
+    "metrics",
+    "server",
 )
 
 

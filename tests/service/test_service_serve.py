@@ -136,19 +136,19 @@ def test_busy_port_says_port_in_one_line(monkeypatch, capsys):
     assert f"port {port}" in err and "--port N" in err and "GRADIO_SERVER_PORT" not in err
 
 
-def test_busy_port_when_gradio_finds_it_taken(tiny_model_file, monkeypatch, capsys):
-    """The port taken while the models loaded: Gradio's OSError becomes the same one line."""
-
-    def taken(*a, **k):
-        raise OSError(
-            "Cannot find empty port in range: 7860-7860. You can specify a different "
-            "port by setting the GRADIO_SERVER_PORT environment variable"
-        )
-
-    monkeypatch.setattr("showattendtell.service.app.launch", taken)
-    assert serve_on_cpu("--model", str(tiny_model_file), "--port", str(_free())) == 2
+def test_busy_port_when_the_server_finds_it_taken(tiny_model_file, monkeypatch, capsys):
+    """The port taken while the models loaded: binding it fails, and says so in the same one
+    line."""
+    port = _free()
+    monkeypatch.setattr("showattendtell.service.server.build", lambda *a: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        monkeypatch.setattr("showattendtell.service.serve.check_port", lambda host, port: None)
+        assert serve_on_cpu("--model", str(tiny_model_file), "--port", str(port)) == 2
     err = capsys.readouterr().err
-    assert "--port N" in err and "GRADIO_SERVER_PORT" not in err and err.count("\n") == 1
+    (line,) = [line for line in err.splitlines() if not line.startswith("INFO: ")]
+    assert f"port {port}" in line and "--port N" in line and line.startswith("error: ")
 
 
 def _free() -> int:
@@ -177,42 +177,59 @@ def test_second_sat_serve_on_a_busy_port(tmp_path):
 
 
 def _fake_launch(monkeypatch) -> dict:
-    """Patch launch: `sat serve` loads its models and returns instead of serving."""
+    """Patch the server: `sat serve` loads its models and returns instead of serving."""
     seen: dict = {}
     monkeypatch.delenv("GRADIO_TEMP_DIR", raising=False)  # `sat serve` sets it: unset after
 
     class Stopped:
-        """An app whose server has ended: `sat serve` closes it and returns."""
+        """A server that has ended: `sat serve` closes it and returns."""
 
         is_running = False
+        url = "http://127.0.0.1:0"
+
+        def __init__(self, app, host, port):
+            seen.update(app=app, host=host, port=port)
 
         def close(self) -> None:
             seen["closed"] = True
 
-    def fake(
-        service,
-        host,
-        port,
-        max_upload_mb,
-        examples,
-        concurrency,
-        queue_size,
-        auth=None,
-        **service_options,
-    ):
+    def build(service, settings, page, guard):
         seen.update(
             service=service,
-            host=host,
-            examples=examples,
-            auth=auth,
+            settings=settings,
+            page=page,
+            guard=guard,
+            auth=settings.auth,
             decoding={n: c.decoding for n, c in service.captioners.items()},
-            **service_options,
         )
-        return Stopped()
+        if page is not None:
+            seen.update(
+                examples=page.examples,
+                cache=page.cache,
+                session_minutes=page.session_minutes,
+                max_sessions=page.max_sessions,
+            )
+        return "app"
 
-    monkeypatch.setattr("showattendtell.service.app.launch", fake)
+    monkeypatch.setattr("showattendtell.service.server.build", build)
+    monkeypatch.setattr("showattendtell.service.server.Background", Stopped)
     monkeypatch.setattr("showattendtell.service.serve.check_port", lambda host, port: None)
     return seen
+
+
+def test_serve_api_options(tiny_model_file, monkeypatch):
+    """The HTTP API gets the page's limits and login; --api-only serves it without the page."""
+    seen = _fake_launch(monkeypatch)
+    monkeypatch.setenv(AUTH_ENV, "alice:pw")
+    base = ["--model", str(tiny_model_file), "--max-upload-mb", "2", "--concurrency", "3"]
+    assert serve_on_cpu(*base, "--max-images", "5", "--queue-size", "9") == 0
+    s = seen["settings"]
+    assert (s.max_upload_bytes, s.max_images, s.concurrency, s.queue_size) == (2 * 2**20, 5, 3, 9)
+    assert s.auth == [("alice", "pw")] and seen["page"] is not None and seen["app"] == "app"
+    assert seen["closed"]  # the server stopped: `sat serve` closed it and returned
+    assert serve_on_cpu(*base, "--api-only") == 0
+    assert seen["page"] is None
+    assert main(["serve", "--max-images", "0"]) == 2
 
 
 def test_serve_decoding_options_become_every_models_defaults(
