@@ -283,6 +283,7 @@ def test_the_study_runs_end_to_end_and_reuses_its_cache(
         torch.set_num_threads(threads)
     assert "AUROC for a bad caption" in first and "calibration" in first
     assert "flickr8k dev  photos     8" in first and "the warning below" in first
+    assert "the precision goal of 0.7 at that recall: " in first
     numbers = [line for line in first.splitlines() if "flickr8k_dev: " not in line]
     assert again.splitlines() == numbers  # the same numbers, from the cache
     assert "flickr8k_dev: " not in again
