@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from showattendtell.data.datasets import DATASETS, DatasetError, load_split
+from showattendtell.data.datasets import DatasetError, list_datasets, load_split
 from showattendtell.data.person_masks import write_person_masks
 from showattendtell.evaluation.attention_correctness import cell_coverage
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     lab = sub.add_parser("label", help="write the person-mask coverage of a dataset's photos")
-    lab.add_argument("--dataset", choices=DATASETS, default="flickr8k")
+    lab.add_argument("--dataset", choices=list_datasets(), default="flickr8k")
     lab.add_argument("--root", required=True, help="the dataset folder")
     lab.add_argument("--splits", nargs="+", default=["train", "dev"])
     lab.add_argument("--out", required=True, help="the .npz file to write")

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
 
 from showattendtell.errors import UsageError, UserError
 from showattendtell.model import CaptionModel
@@ -245,6 +246,18 @@ def _check_sizes(path: Path, encoder: EncoderConfig, decoder: DecoderConfig) -> 
         raise ModelFileError(f"{path}: damaged model description (decoder.dropout {dropout!r})")
 
 
+class _ShapesOnly(TorchFunctionMode):
+    """The layers' initialisations skipped (torch.nn.init's functions give their tensor back
+    untouched): on the meta device they would only fill nothing, and some of them run torch's
+    reference implementations, whose first call imports torch._dynamo (2 s of `sat caption`'s
+    start). A mode, so per thread: other threads keep initialising as usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def _check_decoder_shapes(
     path: Path, encoder: EncoderConfig, decoder: DecoderConfig, vocab: Vocabulary, shapes: dict
 ) -> None:
@@ -254,7 +267,7 @@ def _check_decoder_shapes(
     the file holds every tensor's bytes, so a description that asks for more than the file
     holds (a hidden size of 200,000 in a 2 MB file) is refused here, not after gigabytes were
     allocated. The encoder is a named backbone of fixed size (grid_size pools, no weights)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _ShapesOnly():
         ours = Decoder(len(vocab), encoder.feature_dim, decoder).state_dict()
     for key, tensor in ours.items():
         theirs = shapes.get("decoder." + key)

@@ -649,19 +649,20 @@ def test_a_disk_that_fills_while_captioning_is_one_line_and_keeps_whole_records(
     mid-record, and the run says what is kept and how to go on, without a traceback."""
     from helpers.disk import filling
 
-    from showattendtell.captioning import records
+    from showattendtell.cli import evaluate_captions
 
     no_java_needed(monkeypatch)
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=4)
     out, partial = tmp_path / "r.json", tmp_path / "r.json.partial.jsonl"
     argv = flickr8k_argv(model_file, root, "--num-workers", "0", "--batch-size", "2", output=out)
-    filling(monkeypatch, records, whole=2)
+    filling(monkeypatch, evaluate_captions, whole=2)  # the partial file's writer
     assert main(argv) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
+    *progress, err = capsys.readouterr().err.strip().splitlines()
+    assert err == (
         f"error: cannot write {partial}: No space left on device; 2 of 4 images captioned are "
         "kept there: free some space and run the same command with --resume"
-    ]
+    )
+    assert all(line.startswith("INFO: captions: ") for line in progress)  # no traceback
     kept = partial.read_text().splitlines(keepends=True)
     assert len(kept) == 2 and all(json.loads(line)["path"] for line in kept)
     assert not out.exists()

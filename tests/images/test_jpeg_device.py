@@ -195,14 +195,13 @@ def test_a_decoding_process_decodes_as_the_main_process(tmp_path, monkeypatch):
 
 
 def test_decoding_processes_take_torchvision_s_way(monkeypatch):
-    from showattendtell.images import files as images
-    from showattendtell.images import jpeg_device
+    from showattendtell.images import batches
 
     calls = []
-    monkeypatch.setattr(jpeg_device, "load_jpeg", lambda *a: calls.append(a) or "decoded")
-    files = images.ImageFiles([EXAMPLES[0]], 16)
+    monkeypatch.setattr(batches, "load_jpeg", lambda *a: calls.append(a) or "decoded")
+    files = batches.ImageFiles([EXAMPLES[0]], 16)
     assert files[0].tensor is not None and calls == []  # the main process: PIL
-    monkeypatch.setattr(images, "get_worker_info", lambda: object())  # as in a DataLoader worker
+    monkeypatch.setattr(batches, "get_worker_info", lambda: object())  # as in a DataLoader worker
     assert files[0] == "decoded" and calls == [(str(EXAMPLES[0]), 16, 0)]
 
 

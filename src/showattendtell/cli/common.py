@@ -106,8 +106,15 @@ def no_gpu_driver() -> bool:
 def check_device_before_imports(args: argparse.Namespace) -> None:
     """``--device cuda`` on a machine without a GPU driver: the same line torch's check gives,
     without the seconds its import takes."""
-    if str(getattr(args, "device", "")).startswith("cuda") and no_gpu_driver():
-        raise UsageError("--device cuda was asked for, but no CUDA GPU is available")
+    device = str(getattr(args, "device", ""))
+    if not device.startswith("cuda") or not no_gpu_driver():
+        return
+    if device != "cuda" and (getattr(args, "devices", 1) or 1) > 1:
+        return  # `--devices N --device cuda:1` is wrong anywhere: the run's own check says why
+    model = getattr(args, "model", None)
+    if model and os.path.isfile(os.path.join(str(model), "encoder.onnx")):
+        return  # an exported ONNX folder runs on the CPU only: the Captioner says so
+    raise UsageError("--device cuda was asked for, but no CUDA GPU is available")
 
 
 def decoding_overrides(args: argparse.Namespace) -> dict:

@@ -329,9 +329,15 @@ def _check_feature_cache(folder: Path) -> None:
 
 def _read_folder(source: str):
     """(model, stored decoding) of a model folder; an ONNX export has no weights to export."""
-    from showattendtell.captioning.catalog import resolve_model
+    from showattendtell.captioning.catalog import FOLDER_CONFIG, resolve_model
     from showattendtell.captioning.pretrained import folder_format, read_folder
 
+    if not (Path(source) / FOLDER_CONFIG).is_file():
+        raise UsageError(
+            f"checkpoint: {source} is a folder without a {FOLDER_CONFIG}: give a .ckpt file that "
+            "sat train wrote (e.g. runs/NAME/checkpoints/last.ckpt), a model file (.safetensors) "
+            "or a model folder (Captioner.save_pretrained)"
+        )
     folder = resolve_model(source, "checkpoint")
     if folder_format(folder) == ONNX_FORMAT:
         raise UsageError(

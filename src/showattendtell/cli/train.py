@@ -470,7 +470,6 @@ def train(args: list[str]) -> int:
     """Fit; on Ctrl-C or SIGTERM save where it stopped, say how to resume, and return exit
     status 130 (Ctrl-C) or 143 (SIGTERM)."""
     cli = build_cli(args, TrainCLI)
-    _set_cpu_threads(cli)
     if cli.resume_from is not None:  # before any work: the checkpoint fits this run's model
         ckpt = read_checkpoint(cli.resume_from, "--ckpt_path", mmap=True)
         try:
@@ -478,6 +477,7 @@ def train(args: list[str]) -> int:
         except ModelFileError as e:
             raise UsageError(str(e)) from None
         del ckpt
+    _set_cpu_threads(cli)  # said once the run is known to start
     on_interrupt = SaveOnInterrupt()
     cli.trainer.callbacks.append(on_interrupt)
     try:
