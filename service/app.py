@@ -73,7 +73,8 @@ REFUSAL_JS = """
 
 API_DESCRIPTION = (
     "Caption an image: caption, words, score, familiarity (0..1: how much the photo "
-    "looks like the training photos), top beams in the order that decided "
+    "looks like the training photos), confidence (0..1: the chance that the caption is "
+    "good), top beams in the order that decided "
     "(ranked_by), each word's attention grid (and hard-attention locations), the "
     "decoding settings that apply to the model and a warning for a caption likely "
     "wrong (an unfamiliar photo, an unsure caption) or a degenerate photo. Options "

@@ -60,10 +60,10 @@ class Captioned:
 
     def to_json(self) -> dict[str, Any]:
         """What the /caption endpoint returns: ``CaptionResult.to_dict(with_attention=True)``
-        (caption, words, score, log_prob, familiarity, attention, warning when set) plus the
-        beams in the order that decided (``ranked_by``: "score" or "consensus"), the model, the
-        grid, the hard-attention locations (None without), the photo's size and the decoding
-        settings that apply to the model."""
+        (caption, words, score, log_prob, familiarity, confidence, attention, warning when
+        set) plus the beams in the order that decided (``ranked_by``: "score" or "consensus"),
+        the model, the grid, the hard-attention locations (None without), the photo's size and
+        the decoding settings that apply to the model."""
         r = self.result
         d = r.to_dict(with_attention=True)
         d.update(

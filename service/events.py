@@ -62,8 +62,8 @@ def cleared() -> UIOutputs:
 
 
 def status_text(done: Captioned) -> str:
-    """What the status line says about a caption: model, mode, grid, familiarity and how to
-    read the overlays."""
+    """What the status line says about a caption: model, mode, grid, familiarity, confidence and
+    how to read the overlays."""
     r, cfg = done.result, done.decoding
     g = r.attention.shape[-1]
     hard = done.attention_type == "hard"
@@ -76,6 +76,11 @@ def status_text(done: Captioned) -> str:
         text += (
             f"Familiarity **{r.familiarity:.2f}** (0 to 1: how much the photo looks like the "
             "photos the model learnt from; about 0.5 for a typical one). "
+        )
+    if r.confidence is not None:
+        text += (
+            f"Confidence **{r.confidence:.2f}** (0 to 1: the chance that the caption is good; "
+            "of captions given 0.8, about 8 in 10 are). "
         )
     if r.locations:
         how = (

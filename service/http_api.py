@@ -3,9 +3,9 @@
 
 A caption request goes through the same :class:`CaptionService` worker as the page, so
 concurrent requests of both share batches. Its answer holds the records `sat caption` writes
-(``record_dict``: caption, words, scores, familiarity, warning, model, model_sha256, decoding,
-and the attention grids on request), field for field. The form's decoding fields and their
-schema are made from the option table (``DECODING_OPTIONS``): nothing here names an option.
+(``record_dict``: caption, words, scores, familiarity, confidence, warning, model, model_sha256,
+decoding, and the attention grids on request), field for field. The form's decoding fields and
+their schema are made from the option table (``DECODING_OPTIONS``): nothing here names an option.
 Nothing is kept between requests: an upload lives in the request's memory or spooled temporary
 file only, so any number of processes behind a load balancer answer alike.
 
@@ -159,9 +159,10 @@ CAPTIONS_DESCRIPTION = (
     "any decoding option as a form field; an option left out is the model's own setting "
     '(GET /v1/models lists each model\'s). The answer is `{"records": [...]}`, one record per '
     "photo in the order sent, each the record `sat caption` writes to its JSON Lines: path (the "
-    "file name sent), caption, score, log_prob, words, familiarity, warning (when there is one), "
-    "model, model_sha256, decoding and, with `with_attention=true`, attention (one grid per "
-    "word) and, for hard attention, locations. With `Accept: application/x-ndjson` the answer "
+    "file name sent), caption, score, log_prob, words, familiarity, confidence (0..1: the chance "
+    "that the caption is good), warning (when there is one), model, model_sha256, decoding "
+    "and, with `with_attention=true`, attention (one grid per word) and, for hard attention, "
+    "locations. With `Accept: application/x-ndjson` the answer "
     'is those JSON Lines themselves. Refusals are 4xx with `{"error": "..."}`.'
 )
 

@@ -10,6 +10,7 @@ from torch import nn
 from showattendtell.network.decoder import Decoder, DecoderConfig
 from showattendtell.network.encoder import Encoder, EncoderConfig
 from showattendtell.network.vocab import Vocabulary
+from showattendtell.search.confidence import ConfidenceFits
 from showattendtell.search.consensus import ConsensusIndex
 from showattendtell.search.decoding import DecodingConfig, DecodingError, Hypothesis, generate
 
@@ -31,6 +32,8 @@ class CaptionModel(nn.Module):
         self.encoder = Encoder(encoder, load_weights=load_encoder_weights)
         self.decoder = Decoder(len(vocab), encoder.feature_dim, decoder)
         self.consensus: ConsensusIndex | None = None  # for rerank "consensus" (consensus.py)
+        self.confidence: ConfidenceFits | None = None  # how its captions' confidence is scored
+        # (confidence.py); None: by the bundled default model's fits
 
     @property
     def grid(self) -> int:

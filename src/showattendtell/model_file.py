@@ -3,7 +3,10 @@
 Tensors are the CaptionModel's state dict (encoder included, so no download is needed at load
 time); the header's string metadata holds the format tag, the architecture (JSON), the default
 decoding settings (JSON) and the vocabulary (JSON word list). A model with a consensus index
-(consensus.py) adds its tensors under ``consensus.`` and its captions as JSON.
+(consensus.py) adds its tensors under ``consensus.`` and its captions as JSON; a model with a
+confidence fit (confidence.py, scripts/confidence_study.py) adds it as JSON under ``confidence``.
+The bundled model files, written before confidence existed, carry theirs beside them
+(``bundled/confidence.json``): ``read_model`` gives a bundled file those.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from showattendtell.model import CaptionModel
 from showattendtell.network.decoder import Decoder, DecoderConfig
 from showattendtell.network.encoder import EncoderConfig
 from showattendtell.network.vocab import Vocabulary
+from showattendtell.search import confidence
 from showattendtell.search.consensus import ConsensusIndex
 from showattendtell.search.decoding import DecodingConfig
 
@@ -78,6 +82,9 @@ def save_model(
         tensors, description = model.consensus.to_file()
         state.update({CONSENSUS_PREFIX + k: v for k, v in tensors.items()})
         meta["consensus"] = json.dumps(description)
+    fits = getattr(model, "confidence", None)
+    if fits is not None:
+        meta["confidence"] = fits.to_json()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -316,6 +323,14 @@ def read_model(path: str | Path) -> tuple[CaptionModel, DecodingConfig, dict]:
             model.consensus = ConsensusIndex.from_file(index, json.loads(meta["consensus"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFileError(f"{path}: damaged consensus index ({e})") from None
+    try:
+        model.confidence = (
+            confidence.ConfidenceFits.from_json(meta["confidence"])
+            if "confidence" in meta
+            else confidence.bundled_fits(path)
+        )
+    except confidence.ConfidenceFitError as e:
+        raise ModelFileError(f"{path}: {e}") from None
     expected = model.state_dict()
     if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in state):
         raise ModelFileError(f"{path}: the weights do not match the model it describes")

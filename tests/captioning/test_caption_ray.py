@@ -209,6 +209,7 @@ def test_usage_errors_before_any_work(photos, capsys, monkeypatch):
         (["--address", "auto"], "add --engine ray"),
         (["-o", "x/", "--format", "parquet"], "add --engine ray"),
         (["--engine", "ray", "--overlays", "sheets"], "--engine local"),
+        (["--engine", "ray", "-o", "x.jsonl", "--min-confidence", "0.5"], "--engine local"),
         (["--engine", "ray", "--decode-on", "gpu"], "decodes on CPUs"),
         (["--engine", "ray", "-o", "x.txt/", "--format", "csv"], "parquet or jsonl"),
     ]
@@ -251,7 +252,7 @@ def test_shards_are_read_back_for_resume_and_foreign_ones_refused(tmp_path, fmt)
 
     made_by = {"model": "tiny", "decoding": {"beam_size": 1, "precision": "32"}}
     caption = {"path": "a.png", "caption": "red", "score": -1.0, "log_prob": -1.0}
-    caption.update(words=["red"], familiarity=None, **made_by)
+    caption.update(words=["red"], familiarity=None, confidence=0.25, **made_by)
     shards.write_shard(tmp_path, 0, fmt, [caption, {"path": "b.png", "error": "empty"}], False)
     shards.write_shard(tmp_path, 3, fmt, [{"path": "a.png", "error": "gone"}], False)
     assert shards.next_number(tmp_path) == 4
@@ -259,6 +260,16 @@ def test_shards_are_read_back_for_resume_and_foreign_ones_refused(tmp_path, fmt)
     point = shards.scan_shards(tmp_path, fmt, with_attention=False)
     assert point.done == {"a.png": 2, "b.png": 1}
     assert point.made_by == [made_by]
+    if fmt == "parquet":  # every field of a record is a column: none is dropped
+        import pyarrow.parquet as pq
+
+        row = pq.read_table(tmp_path / shards.shard_name(0, fmt)).to_pylist()[0]
+        assert {k: v for k, v in row.items() if k != "decoding"} == {
+            **{k: v for k, v in caption.items() if k != "decoding"},
+            "warning": None,
+            "error": None,
+            "model_sha256": None,
+        }
     with pytest.raises(OutputError, match="with-attention"):
         shards.scan_shards(tmp_path, fmt, with_attention=True)
     (tmp_path / shards.shard_name(5, fmt)).write_text("notes\n")

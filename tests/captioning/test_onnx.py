@@ -75,6 +75,7 @@ def assert_same(torch_path: Captioner, onnx_path: Captioner, photos, **decoding)
         assert [c for c, _ in x.beams] == [c for c, _ in y.beams]
         assert x.score == pytest.approx(y.score, abs=1e-4)
         assert np.abs(x.attention - y.attention).max() < 1e-4
+        assert x.confidence == pytest.approx(y.confidence, abs=1e-4)  # its signals from the graphs
 
 
 @pytest.mark.slow
@@ -119,6 +120,31 @@ def test_attend_after_models_export_their_image_gates(tmp_path, photos):
     assert "image_gates" in json.loads((folder / "config.json").read_text())["step_inputs"]
     assert_same(load_model(model_file, "cpu"), load_model(folder), photos[:4])
     assert_same(load_model(model_file, "cpu"), load_model(folder), photos[:4], beam_size=1)
+
+
+@pytest.mark.slow
+def test_the_export_keeps_the_models_own_confidence_fits(tiny_model_file, tmp_path, photos):
+    """A model file's own fits travel in config.json: the export's captions are scored and
+    warned by them, as the model file's are; a damaged fit is one clear error."""
+    from showattendtell.search.confidence import ConfidenceFit, ConfidenceFits
+
+    model, decoding, _ = read_model(tiny_model_file)
+    features = ("log_prob_per_word", "words")
+    fit = ConfidenceFit(features, (0.0, 0.0), (1.0, 1.0), (0.5, 0.1), -0.25, 0.4)
+    model.confidence = ConfidenceFits((fit,), "a test")
+    folder = export_onnx(model, decoding, tmp_path / "fits_onnx")
+    loaded = load_model(folder)
+    assert loaded.own_fits and loaded.confidence_fits == model.confidence
+    torch_path = Captioner(model, decoding, "cpu")
+    assert_same(torch_path, loaded, photos[:4], beam_size=1)
+    assert [r.warning for r in loaded.caption(photos[:4], beam_size=1)] == [
+        r.warning for r in torch_path.caption(photos[:4], beam_size=1)
+    ]
+    config = json.loads((folder / "config.json").read_text())
+    config["confidence"]["fits"][0]["features"] = ["shoe size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(onnx_model.OnnxModelError, match="damaged ONNX model description"):
+        load_model(folder)
 
 
 @pytest.mark.slow

@@ -342,3 +342,13 @@ def test_concurrent_requests_are_batched_with_the_same_results(
         t.join(120)
     assert [results[i] for i in range(len(photos))] == alone
     assert sum(service.batch_sizes[before:]) == len(photos)
+
+
+def test_the_confidence_reaches_the_api_and_the_status_line(indexed_service: CaptionService):
+    """Every reply carries the caption's confidence (confidence.py), with an index or
+    without, and the UI's status line gives it."""
+    for name in indexed_service.names:
+        done = caption_image(indexed_service, str(photo(0)), name)
+        d = json.loads(json.dumps(done.to_json(), allow_nan=False))
+        assert 0.0 <= d["confidence"] <= 1.0 and d["confidence"] == round(done.result.confidence, 4)
+        assert f"Confidence **{done.result.confidence:.2f}**" in events.status_text(done)

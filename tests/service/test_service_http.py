@@ -101,7 +101,8 @@ def test_records_equal_sat_caption(api: httpx.Client, service: CaptionService, t
     assert [r.pop("path") for r in got] == [photo(0).name, photo(1).name]
     assert [Path(r.pop("path")).name for r in cli] == [photo(0).name, photo(1).name]
     assert got == cli
-    assert set(got[0]) >= {"caption", "words", "score", "familiarity", "model", "model_sha256"}
+    assert set(got[0]) >= {"caption", "words", "score", "familiarity", "confidence", "model"}
+    assert all(0.0 <= r["confidence"] <= 1.0 for r in got) and "model_sha256" in got[0]
     assert got[0]["decoding"]["beam_size"] == 2 and len(got[0]["attention"]) == len(got[0]["words"])
     # the same records as JSON Lines on request, and without the grids when not asked for
     lines = api.post(

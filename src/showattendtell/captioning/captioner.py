@@ -22,7 +22,7 @@ from showattendtell.errors import UsageError
 from showattendtell.images.files import image_warning, open_image, preprocess
 from showattendtell.model import CaptionModel
 from showattendtell.model_file import read_model
-from showattendtell.search import familiarity
+from showattendtell.search import confidence, familiarity
 from showattendtell.search.consensus import ConsensusIndex
 from showattendtell.search.decoding import DecodingConfig, DecodingOption
 from showattendtell.search.options import (
@@ -48,6 +48,9 @@ class CaptionResult:
     # (familiarity.py); None for a model without a consensus index
     consensus: list[float] | None = None  # each beam's consensus score, in ``beams``' order,
     # when they were reranked by it (the number that chose the caption); else None
+    confidence: float | None = None  # 0..1, the probability that the caption is good
+    # (confidence.py): of captions given 0.8, about 80 % are; None only without any fit
+    signals: dict[str, float] | None = None  # the features the confidence was computed from
 
     def add_warning(self, text: str | None) -> None:
         """Add a warning beside any the result has (a photo can be both tiny and unfamiliar)."""
@@ -62,6 +65,7 @@ class CaptionResult:
             "log_prob": finite_or_none(self.log_prob, 4),
             "words": self.words,
             "familiarity": None if self.familiarity is None else round(self.familiarity, 4),
+            "confidence": None if self.confidence is None else round(self.confidence, 4),
         }
         if self.warning:
             d["warning"] = self.warning
@@ -136,6 +140,10 @@ class Captioner:
         if model.consensus is not None:  # not a module: moved by hand
             model.consensus.to(self.device)
         self.decoding, self.name = decoding, name
+        # the model's own confidence fits (its file's, or a bundled model's), else the bundled
+        # default model's, whose scales other models share only approximately (confidence.py)
+        self.own_fits = getattr(model, "confidence", None) is not None
+        self.confidence_fits = getattr(model, "confidence", None) or confidence.default_fits()
 
     @classmethod
     def from_pretrained(
@@ -254,46 +262,80 @@ class Captioner:
         self, annotations: torch.Tensor, decoding: DecodingConfig | None = None
     ) -> list[CaptionResult]:
         """Annotation grids (B, L, D) -> their results, each with its familiarity if the model
-        has an index, and then a warning when familiarity and the caption's mean log-probability
-        per word together say the caption is likely wrong (familiarity.py). ``decoding``: a
-        resolved config (``check_decoding``), None: the stored settings."""
+        has an index and its confidence (confidence.py), and a warning when the caption is
+        likely wrong: by its confidence for a model with fits of its own; for one scored by
+        the default model's fits (whose scales fit it only approximately), by familiarity's
+        rule as before (familiarity.py; none without an index). ``decoding``: a resolved config
+        (``check_decoding``), None: the stored settings."""
         cfg = decoding or self.decoding
         with self._autocast():
             hypotheses = self.model.generate(annotations, cfg)
         g = self.model.grid
         scorer = familiarity.for_index(self.model.consensus)
-        per_word = [
-            familiarity.log_prob_per_word(h[0].log_prob, len(self.model.words(h[0])))
-            for h in hypotheses
-        ]
+        captions = [[" ".join(self.model.words(h)) for h in hyps] for hyps in hypotheses]
+        typicality, risks = None, None
         if scorer is not None:
             similarity = scorer.similarity(ConsensusIndex.pool(annotations))
             known = scorer.calibrate(similarity).tolist()
-            risks = scorer.risk(similarity, np.asarray(per_word)).tolist()
+            typicality = scorer.typicality(similarity)
         else:
-            known = risks = [None] * len(hypotheses)
+            known = [None] * len(hypotheses)
+        signals, sure = self._confidence(annotations, hypotheses, captions, cfg, typicality)
+        if scorer is not None:
+            risks = scorer.risk(similarity, signals["log_prob_per_word"]).tolist()
         results = []
-        for hyps, fam, risk, lp in zip(hypotheses, known, risks, per_word, strict=True):
+        for b, (hyps, fam) in enumerate(zip(hypotheses, known, strict=True)):
             best = hyps[0]
             words = self.model.words(best)
             locs = None
             if best.locations is not None:
                 locs = [divmod(int(s), g) for s in best.locations]
+            mine = {k: float(v[b]) for k, v in signals.items()}
             results.append(
                 CaptionResult(
-                    caption=" ".join(words),
+                    caption=captions[b][0],
                     words=words,
                     score=best.score,
                     log_prob=best.log_prob,
                     attention=best.alphas.float().cpu().numpy().reshape(len(words), g, g),
                     locations=locs,
-                    beams=[(" ".join(self.model.words(h)), h.score) for h in hyps],
-                    warning=scorer.warning(fam, risk, lp) if scorer is not None else None,
+                    beams=[(c, h.score) for c, h in zip(captions[b], hyps, strict=True)],
+                    warning=self._warning(scorer, sure, b, fam, risks, mine),
                     familiarity=fam,
                     consensus=[h.consensus for h in hyps] if best.consensus is not None else None,
+                    confidence=None if sure is None else float(sure[1][b]),
+                    signals=mine,
                 )
             )
         return results
+
+    def _warning(self, scorer, sure, b: int, fam, risks, signals) -> str | None:
+        """Photo ``b``'s warning: by its confidence with the model's own fits, else by
+        familiarity's rule (None for a model without an index)."""
+        per_word = signals["log_prob_per_word"]
+        if self.own_fits and sure is not None:
+            return confidence.warning(sure[0], float(sure[1][b]), fam, per_word)
+        if scorer is None:
+            return None
+        return scorer.warning(fam, risks[b], per_word)
+
+    def _confidence(self, annotations, hypotheses, captions, cfg, typicality):
+        """(each photo's signals, (the fit used, each photo's confidence)); the second None
+        when there is no fit at all (no bundled fits installed)."""
+        with self._autocast():
+            signals = confidence.signals(
+                self.model.decoder,
+                annotations,
+                hypotheses,
+                captions,
+                cfg.hard_mode,
+                self.model.consensus,
+                typicality,
+            )
+        if self.confidence_fits is None:
+            return signals, None
+        fit = self.confidence_fits.for_features(list(signals))
+        return signals, (fit, fit.confidence(signals))
 
     def caption_batch(
         self, images: torch.Tensor, decoding: DecodingConfig | None = None

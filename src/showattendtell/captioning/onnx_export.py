@@ -8,8 +8,9 @@ onnxruntime (onnx_model.py) or any serving stack that runs ONNX.
                         [, image_gates (G, 4H)] [, argmax (): hard attention]
                         -> log_probs (N, V), alpha (N, L) [, location (N,)], h, c (N, H)
 
-plus config.json (the architecture, the stored decoding, the file names), vocab.json and, for a
-model with one, consensus.safetensors (the consensus index of --rerank consensus and of the
+plus config.json (the architecture, the stored decoding, the file names and, for a model with
+them, its confidence fits: search/confidence.py), vocab.json and, for a model with one,
+consensus.safetensors (the consensus index of --rerank consensus and of the
 familiarity score). Rows of a step come in N / G consecutive rows per image (beam search: the K
 beams of an image), each image's grid given once, as DecoderState keeps them.
 
@@ -256,6 +257,9 @@ def export_onnx(
             "step_outputs": step_out,
             "info": info or {},
         }
+        fits = getattr(model, "confidence", None)
+        if fits is not None:  # its own fits: an export is scored, and warned, as the model file
+            config["confidence"] = json.loads(fits.to_json())
         (tmp / files.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", "utf-8")
         model.vocab.save(tmp / files.VOCAB_FILE)
         mask = _umask()  # mkdtemp's folder and safetensors' file are private: made like others

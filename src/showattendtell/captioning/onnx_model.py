@@ -25,6 +25,7 @@ from showattendtell.model_file import ModelFileError
 from showattendtell.network.decoder import DecoderConfig, DecoderState, Step
 from showattendtell.network.encoder import EncoderConfig
 from showattendtell.network.vocab import Vocabulary
+from showattendtell.search.confidence import ConfidenceFits
 from showattendtell.search.consensus import ConsensusIndex
 from showattendtell.search.decoding import DecodingConfig, DecodingError
 
@@ -171,6 +172,7 @@ class OnnxCaptionModel(CaptionModel):
     ):
         nn.Module.__init__(self)
         self.vocab, self.encoder, self.decoder, self.consensus = vocab, encoder, decoder, consensus
+        self.confidence: ConfidenceFits | None = None  # the exported model's own fits, if any
 
     def check_decoding(self, decoding: DecodingConfig) -> None:
         super().check_decoding(decoding)
@@ -195,6 +197,8 @@ def read_onnx_folder(folder: Path) -> tuple[OnnxCaptionModel, DecodingConfig, tu
         decoding = DecodingConfig(**config["decoding"])
         inputs = list(config["step_inputs"])
         vocab = Vocabulary.load(folder / VOCAB_FILE)
+        fits = config.get("confidence")
+        fits = None if fits is None else ConfidenceFits.from_json(json.dumps(fits))  # ValueErrors
     except OnnxModelError:
         raise
     except (OSError, KeyError, TypeError, ValueError) as e:
@@ -218,6 +222,7 @@ def read_onnx_folder(folder: Path) -> tuple[OnnxCaptionModel, DecodingConfig, tu
         OnnxDecoder(sessions[1], sessions[2], decoder, inputs),
         consensus,
     )
+    model.confidence = fits
     return model, decoding, tuple(read)
 
 

@@ -99,8 +99,8 @@ class CaptionImages:
     ``warning``); a batch with a ``path`` column only is decoded here first. It returns the
     input's columns without ``pixels`` and ``file``, plus ``caption`` ("" where the photo could
     not be decoded), ``error`` ("" where it was captioned) and ``record``: the JSON object
-    `sat caption` writes for the photo (caption, score, log_prob, words, familiarity, warning,
-    model, model_sha256, decoding; with ``with_attention`` the grids too).
+    `sat caption` writes for the photo (caption, score, log_prob, words, familiarity,
+    confidence, warning, model, model_sha256, decoding; with ``with_attention`` the grids too).
 
     ``model``: a model file or name (`sat models`), the same on every node; ``device``: "auto"
     (the actor's GPU when Ray gave it one), "cpu" or "cuda"; ``threads``: torch's CPU threads

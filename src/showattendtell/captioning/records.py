@@ -46,13 +46,17 @@ CSV_FIELDS = (
     "error",
     "warning",
     "familiarity",
+    "confidence",
     *MADE_BY_FIELDS,
 )
 ATTENTION_FIELDS = ("attention", "locations")
-_CSV_BEFORE_WARNINGS = CSV_FIELDS[:5]  # files written before the warning column; still resumable
-_CSV_BEFORE_FAMILIARITY = CSV_FIELDS[:6]  # and before the familiarity column (familiarity.py)
-_CSV_BEFORE_MADE_BY = CSV_FIELDS[:7]  # and before the model and decoding columns
-_CSV_BEFORE_SHA256 = CSV_FIELDS[:9]  # and before the model_sha256 column
+# files written before the confidence column (confidence.py); still resumable, as are these:
+_CSV_BEFORE_CONFIDENCE = tuple(f for f in CSV_FIELDS if f != "confidence")
+_CSV_BEFORE_WARNINGS = _CSV_BEFORE_CONFIDENCE[:5]  # before the warning column
+_CSV_BEFORE_FAMILIARITY = _CSV_BEFORE_CONFIDENCE[:6]  # and the familiarity column
+_CSV_BEFORE_MADE_BY = _CSV_BEFORE_CONFIDENCE[:7]  # and the model and decoding columns
+_CSV_BEFORE_SHA256 = _CSV_BEFORE_CONFIDENCE[:9]  # and the model_sha256 column
+LOW_SUFFIX = ".low"  # --min-confidence: OUT.jsonl's records below it go to OUT.low.jsonl
 JSONL_RECORD_START = '{"path": '  # how every JSON line we write begins
 
 
@@ -73,6 +77,14 @@ def record_dict(rec: Record, with_attention: bool, made_by: dict | None = None) 
 
 def csv_fields(with_attention: bool) -> tuple[str, ...]:
     return CSV_FIELDS + (ATTENTION_FIELDS if with_attention else ())
+
+
+def low_output(path: Path) -> Path:
+    """Where --min-confidence sends the records below it: OUT.jsonl -> OUT.low.jsonl (a name
+    without a suffix gets ``.low`` at its end)."""
+    if path.suffix:
+        return path.with_name(path.stem + LOW_SUFFIX + path.suffix)
+    return path.with_name(path.name + LOW_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,16 @@ class Writer:
         self.spec = get_output_format(fmt)
         self.fields = fields or csv_fields(with_attention)
         self.made_by = made_by
+        self.low: Writer | None = None  # --min-confidence: where the records below it go
+        self.min_confidence = 0.0
+
+    def target(self, rec: Record) -> Writer:
+        """The writer of ``rec``: ``low`` for a caption whose confidence is below
+        ``min_confidence``, else this one (errors and captions without a confidence too)."""
+        conf = None if rec.result is None else rec.result.confidence
+        if self.low is not None and conf is not None and conf < self.min_confidence:
+            return self.low
+        return self
 
     def write(self, rec: Record) -> None:
         self.write_line(self.line(rec))
@@ -368,6 +390,7 @@ def _scan_csv(path: Path, text: str, with_attention: bool) -> ResumePoint:
             _CSV_BEFORE_FAMILIARITY,
             _CSV_BEFORE_MADE_BY,
             _CSV_BEFORE_SHA256,
+            _CSV_BEFORE_CONFIDENCE,
         )
         for extra in ((), ATTENTION_FIELDS)
     ]

@@ -65,6 +65,7 @@ def _parquet_schema(with_attention: bool):
         ("log_prob", pa.float64()),
         ("words", pa.list_(pa.string())),
         ("familiarity", pa.float64()),
+        ("confidence", pa.float64()),
         ("warning", pa.string()),
         ("error", pa.string()),
         ("model", pa.string()),

@@ -119,6 +119,15 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         "each showing where the model looked",
     )
     p.add_argument(
+        "--min-confidence",
+        type=float,
+        default=None,
+        metavar="X",
+        help="send the captions whose confidence (0..1, the probability that a caption is "
+        "good) is below X to a second file beside --output, OUT.low.jsonl for OUT.jsonl, in "
+        "the same format; --output keeps the others and the error records",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="append to --output, skipping images already in it (with the model and decoding "
@@ -223,6 +232,8 @@ def _check_engine_args(args: argparse.Namespace) -> bool:
         raise UsageError("--num-nodes is for --engine local; Ray's cluster is its nodes")
     if args.overlays:
         raise UsageError("--engine ray writes no --overlays: use --engine local for them")
+    if args.min_confidence is not None:
+        raise UsageError("--engine ray writes no --min-confidence file: use --engine local for it")
     if args.decode_on == "gpu":
         raise UsageError("--engine ray decodes on CPUs in Ray tasks: leave out --decode-on gpu")
     if args.lanes is not None:
@@ -237,6 +248,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--resume needs --output FILE (the file to continue)")
     if args.resume and args.overwrite:
         raise UsageError("--resume continues --output and --overwrite replaces it: give one")
+    if args.min_confidence is not None:
+        if not 0.0 <= args.min_confidence <= 1.0:
+            raise UsageError(f"--min-confidence must be from 0 to 1, not {args.min_confidence:g}")
+        if not args.output:
+            raise UsageError(
+                "--min-confidence sends low-confidence captions to a file beside --output: "
+                "give --output FILE"
+            )
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1")
     if args.lanes is not None and args.lanes < 1:

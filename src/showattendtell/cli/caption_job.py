@@ -33,6 +33,7 @@ from showattendtell.captioning.records import (
     ResumePoint,
     Writer,
     check_made_by,
+    low_output,
     open_output,
     output_format,
     scan_output,
@@ -46,7 +47,13 @@ from showattendtell.cli.common import (
 from showattendtell.errors import Terminated, UsageError, UserError, sigterm_as_ctrl_c
 from showattendtell.images.files import list_images
 from showattendtell.images.pipeline import default_workers
-from showattendtell.outputs import OutputLock, check_new_output, prepare_folder, printable_path
+from showattendtell.outputs import (
+    OutputError,
+    OutputLock,
+    check_new_output,
+    prepare_folder,
+    printable_path,
+)
 from showattendtell.progress import Progress
 from showattendtell.search.options import DecodingConfig
 
@@ -186,6 +193,7 @@ class Plan:
     sheets: dict[str, str] | None = None  # --overlays: the PNG name of each path to do
     made_by: list[dict] = field(default_factory=list)  # what made the file's captions (--resume)
     unreadable: int = 0  # sub-folders that could not be read (--recursive): their photos missing
+    low: ResumePoint | None = None  # --min-confidence --resume: what the low file holds
 
 
 def _plan(
@@ -209,12 +217,14 @@ def _plan(
         # locked first: a second run on a busy output is told so, whatever else it asked
         lock.append(OutputLock(out_path))
         check_new_output("--output", out_path, args.overwrite or args.resume, resume=True)
+    low = _plan_low(args, fmt, out_path, paths, lock)
     if args.resume and out_path is not None and existed:
         resume = scan_output(out_path, fmt, args.with_attention)  # refuses a foreign file
         warning = unmarked_warning(out_path, resume)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
-    todo = _not_done(paths, resume.done if resume else Counter())
+    done = (resume.done if resume else Counter()) + (low.done if low else Counter())
+    todo = _not_done(paths, done)
     sheets = None
     if todo and args.overlays:
         prepare_folder("--overlays", Path(args.overlays))
@@ -222,9 +232,41 @@ def _plan(
         sheets = {p: names[p] for p in todo}
         _check_sheets(Path(args.overlays), sheets, paths, args.overwrite or args.resume)
     skipped, missing = len(paths) - len(todo), len(unreadable)
-    if resume is None:
-        return Plan(todo, skipped, None, sheets, unreadable=missing), None
-    return Plan(todo, skipped, resume.fields, sheets, resume.made_by, missing), resume
+    made_by = list(resume.made_by) if resume else []
+    made_by += [m for m in (low.made_by if low else []) if m not in made_by]
+    fields = resume.fields if resume else None
+    return Plan(todo, skipped, fields, sheets, made_by, missing, low), resume
+
+
+def _plan_low(
+    args: argparse.Namespace,
+    fmt: str,
+    out_path: Path | None,
+    paths: list[str],
+    lock: list[OutputLock],
+) -> ResumePoint | None:
+    """--min-confidence's file (OUT.low.jsonl beside OUT.jsonl): locked and checked like
+    --output; with --resume, what it already holds (its records count as done). A run resumed
+    without --min-confidence whose first run had it is refused: the records in the low file
+    would be captioned again into --output."""
+    if out_path is None:
+        return None
+    path = low_output(out_path)
+    if args.min_confidence is None:
+        if args.resume and path.is_file() and path.stat().st_size > 0:
+            raise UsageError(
+                f"--resume: {path} holds the low-confidence captions of the run being "
+                "continued: give its --min-confidence again"
+            )
+        return None
+    if _inputs_among([path], paths):
+        raise UsageError(f"--min-confidence's file {path} is one of the photos to caption")
+    existed = path.exists()
+    lock.append(OutputLock(path))
+    check_new_output("--min-confidence's file", path, args.overwrite or args.resume, resume=True)
+    if args.resume and existed:
+        return scan_output(path, fmt, args.with_attention)
+    return None
 
 
 def _not_done(paths: list[str], done: Counter[str]) -> list[str]:
@@ -406,11 +448,30 @@ def _caption(
     if procs.rank == 0 and args.output:
         stream = open_output(Path(args.output), resume if args.resume else None)
     writer = Writer(fmt, args.with_attention, stream, plan.fields, made_by)
+    if args.min_confidence is not None:
+        _open_low(writer, args, plan, fmt, procs.rank == 0)
     fresh = plan.fields is None  # a new file: its format's header, if it has one
     overlays = None
     if args.overlays and plan.sheets is not None:
         overlays = {p: Path(args.overlays) / name for p, name in plan.sheets.items()}
     return _caption_loop(captioner, plan, args, config, writer, fresh, overlays, procs)
+
+
+def _open_low(writer: Writer, args: argparse.Namespace, plan: Plan, fmt: str, main: bool) -> None:
+    """Give ``writer`` the writer of --min-confidence's file (on the first process: opened,
+    cut back to its last whole record when resumed, its format's header when it is new)."""
+    low_fields = plan.low.fields if plan.low is not None else None
+    stream = None
+    path = low_output(Path(args.output))
+    if main:
+        stream = open_output(path, plan.low if args.resume else None)
+    writer.low = Writer(fmt, args.with_attention, stream, low_fields, writer.made_by)
+    writer.min_confidence = args.min_confidence
+    if main and low_fields is None:
+        try:
+            writer.low.header()
+        except OSError as e:
+            raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _nothing_to_do(plan: Plan, args: argparse.Namespace) -> int:
@@ -469,8 +530,9 @@ def _caption_loop(
         error = f"a captioning process stopped ({str(e).splitlines()[0][:200]})"
     finally:
         records.close()
-        if writer.stream is not None:
-            writer.stream.close()
+        for w in (writer, writer.low):
+            if w is not None and w.stream is not None:
+                w.stream.close()
     if not main:
         return 0 if error is None else 1
     return _exit_status(plan, args, written, interrupted, error, hint)
@@ -485,6 +547,7 @@ class _Written:
         self.ok = 0
         self.failures: list[Record] = []
         self.no_sheet: list[tuple[str, str]] = []  # (path, why): captioned, its sheet not written
+        self.low = 0  # captions sent to --min-confidence's file
 
 
 def _my_records(
@@ -545,8 +608,9 @@ def _write_steps(
         ]
         parts = procs.gather(lines)
         for part in parts or []:
-            for path, line, failure, no_sheet in part:
-                writer.write_line(line)
+            for path, line, failure, no_sheet, low in part:
+                (writer.low if low else writer).write_line(line)
+                written.low += low
                 if failure is None:
                     written.ok += 1
                 else:
@@ -585,6 +649,12 @@ def _exit_status(
         unreadable=plan.unreadable,
         no_sheet=written.no_sheet,
     )
+    if args.min_confidence is not None and args.output:
+        print(
+            f"{written.low} captions below --min-confidence {args.min_confidence:g} went to "
+            f"{printable_path(str(low_output(Path(args.output))))}",
+            file=sys.stderr,
+        )
     if interrupted:
         return interrupted
     return 1 if written.failures or written.no_sheet or plan.unreadable else 0
@@ -592,9 +662,10 @@ def _exit_status(
 
 def _formatted(
     rec: Record, writer: Writer, overlays: dict[str, Path] | None
-) -> tuple[str, str, str | None, str | None]:
-    """(path, output line, error or None, why its overlay sheet is missing or None) for one
-    record; its overlay and warning done here, by the process that captioned it."""
+) -> tuple[str, str, str | None, str | None, bool]:
+    """(path, output line, error or None, why its overlay sheet is missing or None, whether it
+    goes to --min-confidence's file) for one record; its overlay and warning done here, by the
+    process that captioned it."""
     no_sheet = None
     if rec.result is not None and overlays is not None:
         try:
@@ -604,7 +675,8 @@ def _formatted(
             print(f"warning: no overlay sheet for {rec.path}: {no_sheet}", file=sys.stderr)
     if rec.result is not None and rec.result.warning:
         print(f"warning: {rec.path}: {rec.result.warning}", file=sys.stderr)
-    return rec.path, writer.line(rec), rec.error, no_sheet
+    target = writer.target(rec)
+    return rec.path, target.line(rec), rec.error, no_sheet, target is not writer
 
 
 def _summary(

@@ -92,6 +92,15 @@ def add_parser(sub) -> None:
         "train wrote under data.feature_cache for this model's encoder) instead "
         "of encoding them again; checked against the model on a few photos",
     )
+    p.add_argument(
+        "--confidence",
+        metavar="FILE",
+        default=None,
+        help="store these confidence fits (JSON that scripts/confidence_study.py --save "
+        "wrote for this model) in the model file; without it a model file keeps the fits it "
+        "has, and a checkpoint gets none (its captions are then scored by the default "
+        "model's fits)",
+    )
     add_decoding_args(p)
     p.set_defaults(func=run)
 
@@ -107,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     _check_source(args.checkpoint)
     interpolate, alpha = _check_interpolate(args)
     _check_consensus(args)
+    fits = _read_confidence(args.confidence)
     try:  # a source that is no checkpoint or model file (a photo, a text) is a usage error
         if Path(args.checkpoint).is_dir():  # a model folder (Captioner.save_pretrained)
             model, stored = _read_folder(args.checkpoint)
@@ -154,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
             consensus=f"{args.consensus_dataset} {args.consensus_split} "
             f"({len(model.consensus.references)} photos)"
         )
+    if fits is not None:
+        model.confidence = fits
     model.check_decoding(decoding)  # e.g. --rerank consensus without an index
     if args.format == "onnx":
         from showattendtell.captioning.onnx_export import export_onnx
@@ -171,6 +183,24 @@ def run(args: argparse.Namespace) -> int:
         raise OutputError(f"cannot write {output}: {e.strerror or e}") from None
     print(f"wrote {path}")
     return 0
+
+
+def _read_confidence(path: str | None):
+    """--confidence's fits (confidence.ConfidenceFits), read and checked before the checkpoint
+    is; None without --confidence."""
+    if path is None:
+        return None
+    from showattendtell.search.confidence import ConfidenceFitError, ConfidenceFits
+
+    try:
+        return ConfidenceFits.from_json(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--confidence {path}: cannot read it ({e})") from None
+    except ConfidenceFitError as e:
+        raise UsageError(
+            f"--confidence {path}: not the fits that scripts/confidence_study.py --save "
+            f"writes ({e})"
+        ) from None
 
 
 def _check_output(args: argparse.Namespace) -> Path:

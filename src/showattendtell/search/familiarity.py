@@ -17,6 +17,11 @@ about 0.5; one less similar to its neighbours than every training photo is to it
 ``NEIGHBOURS`` (k = 1: the single nearest training photo) separated bad captions from good ones
 best of k = 1..60.
 
+A model with confidence fits of its own (the bundled models; confidence.py) is warned by its
+confidence, which combines familiarity's typicality with more of what the model knows; the rule
+below warns the results of a model scored by another model's fits, and is the confidence
+study's baseline.
+
 The warning does not use familiarity alone: on in-domain photos the caption's own mean
 log-probability per word tells bad captions better, on unfamiliar photos familiarity does, and a
 logistic regression on both beats either (scripts/familiarity_study.py; the model card has the
