@@ -246,8 +246,9 @@ def refused_status(body: bytes) -> int:
 
 
 def refusal(message: str) -> dict[str, str]:
-    """The body of every refusal, the page's and the HTTP API's: ``{"error": message}``, with
-    ``detail`` too, where FastAPI clients look."""
+    """The body of every refusal, the page's and the HTTP API's, the guard's and the routes':
+    ``{"error": message, "detail": message}``, the one line in both (``detail`` is where
+    FastAPI clients look)."""
     return {"error": message, "detail": message}
 
 

@@ -18,11 +18,12 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers.photos import encode, noise, photo
+from helpers.photos import encode, noise, photo, photos
 from helpers.service import (  # noqa: F401 (fixtures)
     ROOT,
     png_bomb,
@@ -32,6 +33,7 @@ from helpers.service import (  # noqa: F401 (fixtures)
 from prometheus_client.parser import text_string_to_metric_families
 from showattendtell.service.guard import Guard
 from showattendtell.service.http_api import ApiSettings
+from showattendtell.service.login import LoginThrottle
 from showattendtell.service.serve import serve_until_stopped
 from showattendtell.service.server import Background, PageSettings, build
 from showattendtell.service.worker import CaptionService, load_service
@@ -45,7 +47,12 @@ LOGIN = ("alice", "s3cret:x")
 
 def jpeg(i: int) -> tuple[str, bytes, str]:
     """The i-th example photo as a multipart file part."""
-    return (photo(i).name, photo(i).read_bytes(), "image/jpeg")
+    return part(photo(i))
+
+
+def part(path: Path) -> tuple[str, bytes, str]:
+    """A JPEG file as a multipart file part."""
+    return (path.name, path.read_bytes(), "image/jpeg")
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +65,34 @@ def api(service: CaptionService):
     server.close()
 
 
+class Clock:
+    """The login throttle's clock, moved on by the test instead of waited for."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Guarded:
+    """A server with a login: its client, and its failed-login throttle's clock."""
+
+    client: httpx.Client
+    throttle: LoginThrottle
+    clock: Clock
+
+
 @pytest.fixture(scope="module")
 def guarded(service: CaptionService):
-    """The same with a login (the page's and the API's)."""
-    settings = ApiSettings(LIMIT, auth=[LOGIN])
-    server = Background(build(service, settings, PageSettings()))
+    """The same with a login (the page's and the API's), its throttle as `sat serve`'s but on
+    a clock the test moves instead of waiting."""
+    clock = Clock()
+    guard = Guard(throttle=LoginThrottle(clock=clock))
+    server = Background(build(service, ApiSettings(LIMIT, auth=[LOGIN]), PageSettings(), guard))
     with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
+        yield Guarded(client, guard.throttle, clock)
     server.close()
 
 
@@ -197,22 +225,33 @@ def read_to_end(s: socket.socket) -> str:
     return data.decode()
 
 
-def test_login(guarded: httpx.Client):
+def test_login(guarded: Guarded):
     """The page's credentials, as HTTP Basic auth: without them or wrong, a 401 saying how to
-    log in; /healthz and /readyz stay open for load balancers; the page asks for them too."""
-    files = [("images", jpeg(0))]
+    log in; /healthz and /readyz stay open for load balancers; the page asks for them too. A
+    wrong login counts toward the failed-login throttle: after ``free`` in a row a 429 with
+    Retry-After, the right password unchecked, until the wait is over."""
+    web, files = guarded.client, [("images", jpeg(0))]
     for auth in (None, ("alice", "wrong"), ("bob", LOGIN[1])):
-        error = refused(guarded.post("/v1/captions", files=files, auth=auth), 401, "curl -u")
+        error = refused(web.post("/v1/captions", files=files, auth=auth), 401, "curl -u")
         assert LOGIN[1] not in error
-        refused(guarded.get("/v1/models", auth=auth), 401, "log in")
-        refused(guarded.get("/metrics", auth=auth), 401, "log in")
-    bad = guarded.get("/v1/models", headers={"authorization": "Basic %%%"})
+        refused(web.get("/v1/models", auth=auth), 401, "log in")
+        refused(web.get("/metrics", auth=auth), 401, "log in")
+        assert web.get("/v1/models", auth=LOGIN).status_code == 200  # forgets the failures
+    bad = web.get("/v1/models", headers={"authorization": "Basic %%%"})
     refused(bad, 401, "log in")
-    assert guarded.get("/v1/models").headers["www-authenticate"].startswith("Basic")
-    assert records(guarded.post("/v1/captions", files=files, auth=LOGIN))[0]["caption"]
-    assert guarded.get("/healthz").status_code == 200
-    assert guarded.get("/readyz").status_code == 200
-    assert guarded.get("/config").status_code == 401  # Gradio's login guards the page
+    assert web.get("/v1/models").headers["www-authenticate"].startswith("Basic")
+    assert records(web.post("/v1/captions", files=files, auth=LOGIN))[0]["caption"]
+    assert web.get("/healthz").status_code == 200
+    assert web.get("/readyz").status_code == 200
+    assert web.get("/config").status_code == 401  # Gradio's login guards the page
+
+    for _ in range(guarded.throttle.free):
+        refused(web.get("/v1/models", auth=("alice", "guess")), 401, "log in")
+    locked = web.get("/v1/models", auth=LOGIN)
+    refused(locked, 429, "too many failed logins .* try again in 1 s")
+    assert locked.headers["retry-after"] == "1"
+    guarded.clock.now += 1
+    assert web.get("/v1/models", auth=LOGIN).status_code == 200
 
 
 def test_no_login_needed_without_auth(api: httpx.Client):
@@ -272,21 +311,20 @@ def test_openapi_schema_from_the_option_table(api: httpx.Client, service: Captio
 
 def test_concurrent_clients(api: httpx.Client, service: CaptionService):
     """8 clients at once, each with its photo: every answer is that photo's own caption (as a
-    lone request gets it), and the worker batched some of them together."""
-    alone = [
-        records(api.post("/v1/captions", files=[("images", jpeg(i % 4))]))[0] for i in range(4)
-    ]
+    lone request gets it), and every photo went through the worker once."""
+    shots = photos(4)
+    alone = [records(api.post("/v1/captions", files=[("images", part(p))]))[0] for p in shots]
     before = len(service.batch_sizes)
 
     def one(i: int) -> dict:
         with httpx.Client(base_url=api.base_url, timeout=120) as client:
-            return records(client.post("/v1/captions", files=[("images", jpeg(i % 4))]))[0]
+            return records(client.post("/v1/captions", files=[("images", part(shots[i % 4]))]))[0]
 
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(one, range(16)))
+        answers = list(pool.map(one, range(8)))
     for i, r in enumerate(answers):
-        assert r["caption"] == alone[i % 4]["caption"] and r["path"] == photo(i % 4).name
-    assert sum(service.batch_sizes[before:]) == 16
+        assert r["caption"] == alone[i % 4]["caption"] and r["path"] == shots[i % 4].name
+    assert sum(service.batch_sizes[before:]) == 8
 
 
 def held_service(model_file: Path) -> tuple[CaptionService, threading.Event, threading.Event]:
@@ -398,7 +436,7 @@ def test_two_processes_answer_alike(tiny_model_file: Path):
         svc = load_service([tiny_model_file], device="cpu")
         server = Background(build(svc, ApiSettings(), None))
         try:
-            files = [("images", jpeg(3))]
+            files = [("images", jpeg(2))]
             answers.append(
                 records(httpx.post(server.url + "/v1/captions", files=files, timeout=120))
             )
