@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.photos import encode, photo
+from helpers.photos import encode, photo, photos
 from PIL import Image
 
 from showattendtell.images.files import ImageError, full_size
@@ -325,20 +325,20 @@ def test_bad_input_gives_clear_messages(service: CaptionService, tmp_path: Path)
 def test_concurrent_requests_are_batched_with_the_same_results(
     service: CaptionService,
 ):
-    photos = [photo(i) for i in range(4)]
-    alone = [caption_image(service, str(p)).result.caption for p in photos]
+    shots = photos(4)
+    alone = [caption_image(service, str(p)).result.caption for p in shots]
     before = len(service.batch_sizes)
     results: dict[int, str] = {}
-    barrier = threading.Barrier(len(photos))
+    barrier = threading.Barrier(len(shots))
 
     def run(i: int) -> None:
         barrier.wait()
-        results[i] = caption_image(service, str(photos[i])).result.caption
+        results[i] = caption_image(service, str(shots[i])).result.caption
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(photos))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shots))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert [results[i] for i in range(len(photos))] == alone
-    assert sum(service.batch_sizes[before:]) == len(photos)
+    assert [results[i] for i in range(len(shots))] == alone
+    assert sum(service.batch_sizes[before:]) == len(shots)
