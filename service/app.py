@@ -347,7 +347,11 @@ def prepare(
     app = build_app(service, examples, concurrency=concurrency, session_ttl_s=minutes * 60)
     app.queue(max_size=queue_size)
     app.state_session_capacity = max_sessions  # what launch(state_session_capacity=) sets
+    # one service may serve several pages (tests, a page with a login beside one without):
+    # a photo uploaded to any of them stays readable when another is built
+    pages = service.cache.pages
     service.cache = cache or CacheBound(None)
+    service.cache.pages.extend(p for p in pages if p not in service.cache.pages)
     service.cache.start(app)
     return app
 

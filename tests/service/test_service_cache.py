@@ -41,6 +41,19 @@ def cached_file(folder: Path, name: str, size: int) -> str:
     return str(path)
 
 
+def test_uploads_to_every_page_of_a_service_stay_readable(tmp_path: Path):
+    """Two pages built on one service (a second ``prepare``): a photo uploaded to the first is
+    still one the service may read, a file neither recorded is not."""
+    first = FakeBlocks({cached_file(tmp_path, "first.jpg", 10)})
+    second = FakeBlocks({cached_file(tmp_path, "second.jpg", 10)})
+    bound = CacheBound(None)
+    bound.start(first)
+    bound.start(second)
+    for files in (first.upload_file_set, second.upload_file_set):
+        assert all(bound.holds(f) for f in files)
+    assert not bound.holds(cached_file(tmp_path, "other.jpg", 10))
+
+
 def test_sweep_keeps_the_cache_under_its_bound(tmp_path: Path):
     now = time.time()
     files = set()
