@@ -2,8 +2,6 @@
 uploads.py): real photos and odd files, the API's JSON, decoding options, batching, consensus
 beams and familiarity."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import base64
@@ -20,13 +18,7 @@ from showattendtell.images.files import ImageError, full_size
 from showattendtell.search.decoding import MAX_BEAM_SIZE, MAX_CAPTION_LENGTH, DecodingError
 
 gr = pytest.importorskip("gradio")
-from helpers.service import (  # noqa: E402, F401 (fixtures)
-    EXPECTED,
-    bad_inputs,
-    indexed_service,
-    service,
-    tiny_expected_file,
-)
+from helpers.service import EXPECTED, bad_inputs  # noqa: E402
 from showattendtell.service import events  # noqa: E402
 from showattendtell.service.captioning import api_caption, caption_image  # noqa: E402
 from showattendtell.service.worker import CaptionService, ServiceError, load_service  # noqa: E402

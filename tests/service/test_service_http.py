@@ -3,8 +3,6 @@
 login, and `sat serve --api-only` as its own process (no Gradio imported, the docs' curl example,
 a stop on SIGTERM)."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import json
@@ -17,19 +15,16 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from helpers.photos import encode, noise, photo, photos
-from helpers.service import (  # noqa: F401 (fixtures)
-    ROOT,
-    png_bomb,
-    service,
-    tiny_expected_file,
-)
+from helpers.service import ROOT, png_bomb
 from prometheus_client.parser import text_string_to_metric_families
 from showattendtell.service.guard import Guard
 from showattendtell.service.http_api import ApiSettings
@@ -327,10 +322,10 @@ def test_concurrent_clients(api: httpx.Client, service: CaptionService):
     assert sum(service.batch_sizes[before:]) == 8
 
 
-def held_service(model_file: Path) -> tuple[CaptionService, threading.Event, threading.Event]:
-    """A service whose worker holds its first batch until ``gate`` is set; ``entered`` is set
-    once it holds it."""
-    svc = load_service([model_file], device="cpu")
+@contextmanager
+def held(svc: CaptionService) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """``svc``'s worker holds its next batch until ``gate`` is set; ``entered`` is set once it
+    holds it. The hold is gone when the block ends (the shared service serves on)."""
     entered, gate = threading.Event(), threading.Event()
 
     def hold(size: int) -> None:
@@ -338,45 +333,45 @@ def held_service(model_file: Path) -> tuple[CaptionService, threading.Event, thr
         gate.wait(60)
 
     svc.on_batch.append(hold)
-    return svc, entered, gate
+    try:
+        yield entered, gate
+    finally:
+        gate.set()
+        svc.on_batch.remove(hold)
 
 
-def test_busy_server_refuses_with_503(tiny_model_file: Path):
+def test_busy_server_refuses_with_503(service: CaptionService):
     """Beyond --concurrency + --queue-size requests at once: a 503 with Retry-After, at once."""
-    svc, entered, gate = held_service(tiny_model_file)
-    server = Background(build(svc, ApiSettings(concurrency=1, queue_size=1), None))
+    server = Background(build(service, ApiSettings(concurrency=1, queue_size=1), None))
     admission = server.app.state.admission
     try:
-        with ThreadPoolExecutor(2) as pool:
+        with held(service) as (entered, gate), ThreadPoolExecutor(2) as pool:
             url = server.url + "/v1/captions"
-            held = [pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)]
+            waiting = [pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)]
             assert entered.wait(60)  # the first request is in the worker
-            held.append(pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120))
+            waiting.append(pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120))
             while admission.inside < 2:  # the second waits for the first's place
-                assert not held[1].done(), held[1].result().text
+                assert not waiting[1].done(), waiting[1].result().text
                 threading.Event().wait(0.01)
             response = httpx.post(url, files=[("images", jpeg(0))], timeout=30)
             refused(response, 503, "busy.*try again")
             assert response.headers["retry-after"]
             gate.set()
-            assert [f.result().status_code for f in held] == [200, 200]
+            assert [f.result().status_code for f in waiting] == [200, 200]
     finally:
-        gate.set()
         server.close()
-        svc.close()
 
 
-def test_stop_answers_api_requests_in_flight_and_refuses_new_ones(tiny_model_file: Path):
+def test_stop_answers_api_requests_in_flight_and_refuses_new_ones(service: CaptionService):
     """The graceful stop of `sat serve` covers the HTTP API: a caption request in flight when
     the stop comes is answered, one sent after gets 503 "stopping", then the server closes."""
-    svc, entered, gate = held_service(tiny_model_file)
     guard, stop = Guard(), threading.Event()
-    server = Background(build(svc, ApiSettings(), PageSettings(), guard))
+    server = Background(build(service, ApiSettings(LIMIT), PageSettings(), guard))
     stopper = threading.Thread(target=serve_until_stopped, args=(server, guard, stop, 60))
     try:
-        with ThreadPoolExecutor(1) as pool:
+        with held(service) as (entered, gate), ThreadPoolExecutor(1) as pool:
             url = server.url + "/v1/captions"
-            held = pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)
+            taken = pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)
             assert entered.wait(60)  # the request is in the worker
             stop.set()
             stopper.start()
@@ -385,13 +380,11 @@ def test_stop_answers_api_requests_in_flight_and_refuses_new_ones(tiny_model_fil
             refused(httpx.post(url, files=[("images", jpeg(1))], timeout=30), 503, "stopping")
             assert stopper.is_alive() and guard.in_flight() == 1  # waiting for the one taken
             gate.set()
-            assert records(held.result())[0]["caption"]
+            assert records(taken.result())[0]["caption"]
         stopper.join(60)
         assert not stopper.is_alive() and not server.is_running
     finally:
-        gate.set()
         server.close()
-        svc.close()
 
 
 def test_metrics(api: httpx.Client):
@@ -428,21 +421,23 @@ def test_metrics(api: httpx.Client):
     assert "sat_queue_depth" in families
 
 
-def test_two_processes_answer_alike(tiny_model_file: Path):
+def test_two_processes_answer_alike(service: CaptionService, tiny_model_file: Path):
     """Stateless: two servers with their own service (as two `sat serve` behind a load
     balancer) give the same records for the same request."""
+    other = load_service([tiny_model_file], device="cpu")
     answers = []
-    for _ in range(2):
-        svc = load_service([tiny_model_file], device="cpu")
-        server = Background(build(svc, ApiSettings(), None))
-        try:
-            files = [("images", jpeg(2))]
-            answers.append(
-                records(httpx.post(server.url + "/v1/captions", files=files, timeout=120))
-            )
-        finally:
-            server.close()
-            svc.close()
+    try:
+        for svc in (service, other):
+            server = Background(build(svc, ApiSettings(), None))
+            try:
+                files = [("images", jpeg(2))]
+                answers.append(
+                    records(httpx.post(server.url + "/v1/captions", files=files, timeout=120))
+                )
+            finally:
+                server.close()
+    finally:
+        other.close()
     assert answers[0] == answers[1]
 
 

@@ -1,8 +1,6 @@
 """The live service: the /caption API through gradio_client against a server on 127.0.0.1
 (with and without a login), and a real headless Chromium session on the page."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import json
@@ -17,14 +15,7 @@ from helpers.photos import noise, photo
 from PIL import Image
 
 gr = pytest.importorskip("gradio")
-from helpers.service import (  # noqa: E402, F401 (fixtures)
-    EXPECTED,
-    bad_inputs,
-    free_port,
-    server,
-    service,
-    tiny_expected_file,
-)
+from helpers.service import EXPECTED, bad_inputs, free_port  # noqa: E402
 from showattendtell.service import events  # noqa: E402
 from showattendtell.service.app import launch  # noqa: E402
 from showattendtell.service.auth import read_auth  # noqa: E402

@@ -1,8 +1,6 @@
 """`sat serve` (service/serve.py, service/auth.py): options, models, logins, the busy port, and
 the decoding flags made from decoding.py's option table."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import re
@@ -18,7 +16,7 @@ from showattendtell.cli.main import build_parser, main
 from showattendtell.search.decoding import DECODING_OPTIONS
 
 pytest.importorskip("gradio")
-from helpers.service import ROOT, tiny_expected_file  # noqa: E402, F401 (fixtures)
+from helpers.service import ROOT  # noqa: E402
 from showattendtell.service.auth import (  # noqa: E402
     AUTH_ENV,
     AuthError,
