@@ -345,7 +345,7 @@ def test_busy_server_refuses_with_503(service: CaptionService):
     server = Background(build(service, ApiSettings(concurrency=1, queue_size=1), None))
     admission = server.app.state.admission
     try:
-        with held(service) as (entered, gate), ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(2) as pool, held(service) as (entered, gate):
             url = server.url + "/v1/captions"
             waiting = [pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)]
             assert entered.wait(60)  # the first request is in the worker
@@ -369,7 +369,7 @@ def test_stop_answers_api_requests_in_flight_and_refuses_new_ones(service: Capti
     server = Background(build(service, ApiSettings(LIMIT), PageSettings(), guard))
     stopper = threading.Thread(target=serve_until_stopped, args=(server, guard, stop, 60))
     try:
-        with held(service) as (entered, gate), ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(1) as pool, held(service) as (entered, gate):
             url = server.url + "/v1/captions"
             taken = pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)
             assert entered.wait(60)  # the request is in the worker
