@@ -271,6 +271,14 @@ def test_browser_hard_mode_frames_and_rejected_uploads(
             _status_has(page, events.PROMPT)
             expect(page.locator("#word-gallery img")).to_have_count(0)
             _wait_for_outputs(page, cleared)
+            # another refused file at once, while that refusal's toast still shows (Gradio
+            # shows the two in one toast): reported too
+            notes = tmp_path / "notes.txt"
+            notes.write_text("not a photo\n")
+            page.set_input_files(upload, str(big))
+            page.set_input_files(upload, str(notes))
+            _status_has(page, "notes.txt")
+            assert "Cannot caption this file" in page.inner_text("#status")
 
             # back to the soft model: the control hides; an example photo captions
             page.locator("#model input").click()
@@ -298,8 +306,6 @@ def test_browser_hard_mode_frames_and_rejected_uploads(
 
             # a file type Gradio's page refuses before uploading (no server event of its own):
             # the previous photo's outputs are cleared as for any file that cannot be captioned
-            notes = tmp_path / "notes.txt"
-            notes.write_text("not a photo\n")
             page.set_input_files(upload, str(notes))
             _status_has(page, "Cannot caption this file")
             assert "notes.txt" in page.inner_text("#status")
