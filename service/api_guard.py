@@ -41,8 +41,9 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every refusal as ``{"error": "..."}``; anything unexpected as a 500 whose body says to
-    read the server's log (where the traceback goes), never the traceback itself."""
+    """Every refusal as ``{"error": "...", "detail": "..."}`` (``guard.refusal``); anything
+    unexpected as a 500 whose body says to read the server's log (where the traceback goes),
+    never the traceback itself."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:

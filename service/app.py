@@ -55,16 +55,17 @@ CSS = """
 # the previous photo's outputs are cleared as for any other file that cannot be captioned.
 REFUSAL_JS = """
 () => {
-  const seen = new WeakSet();
+  const counted = new WeakMap();  // toast -> the refusals it shows that were reported
+  const refusal = /(Invalid file types?:|File\\(s\\) exceed the maximum allowed size)[^\\n]*/g;
   new MutationObserver(() => {
     for (const toast of document.querySelectorAll('.toast-body')) {
-      if (seen.has(toast)) continue;
-      // its text may arrive after the toast itself: a toast counts once, when it matches
-      const found = (toast.innerText || '').match(
-        /(Invalid file types?:|File\\(s\\) exceed the maximum allowed size)[^\\n]*/);
-      if (!found) continue;
-      seen.add(toast);
-      window.__satRefused = found[0];
+      // Gradio groups the toasts shown at once in one body, and a text may arrive after its
+      // toast: a refusal counts once, when it appears, in a new toast or added to one shown
+      const found = (toast.innerText || '').match(refusal) || [];
+      const reported = counted.get(toast) || 0;
+      counted.set(toast, found.length);  // fewer: a grouped message faded
+      if (found.length <= reported) continue;
+      window.__satRefused = found[found.length - 1];
       document.querySelector('#refused-upload')?.click();
     }
   }).observe(document.body, {childList: true, subtree: true, characterData: true});
@@ -246,6 +247,7 @@ def wire_ui(service: CaptionService, page: Page, concurrency: int) -> None:
         inputs=[page.outputs["status"]],
         outputs=outputs,
         js="() => [window.__satRefused || '']",
+        trigger_mode="always_last",  # a refusal while one is answered: told after it
         **quick,
     )
     # Another model: its defaults in the controls, then the shown photo captioned again.
@@ -348,7 +350,11 @@ def prepare(
     app = build_app(service, examples, concurrency=concurrency, session_ttl_s=minutes * 60)
     app.queue(max_size=queue_size)
     app.state_session_capacity = max_sessions  # what launch(state_session_capacity=) sets
+    # one service may serve several pages (tests, a page with a login beside one without):
+    # a photo uploaded to any of them stays readable when another is built
+    pages = service.cache.pages
     service.cache = cache or CacheBound(None)
+    service.cache.pages.extend(p for p in pages if p not in service.cache.pages)
     service.cache.start(app)
     return app
 

@@ -22,7 +22,7 @@ from gradio.route_utils import FnIndexInferError
 
 from showattendtell.errors import UserError
 
-from .guard import DISK_FULL, SERVICE_FAILED, disk_full
+from .guard import DISK_FULL, SERVICE_FAILED, disk_full, refusal
 from .uploads import refuse_urls
 
 log = logging.getLogger(__name__)
@@ -150,9 +150,7 @@ def invalid_request(request: Request, error: Exception) -> JSONResponse:
         '{"data": [image, model, options...]} as /gradio_api/info describes'
     )
     log.info("refused %s %s: %s", request.method, request.url.path, message)
-    # FastAPI's own list too (clients read "detail"), without the echo of what was sent
-    detail = [{k: v for k, v in e.items() if k in ("type", "loc", "msg")} for e in errors]
-    return JSONResponse({"error": message, "detail": detail or message}, status_code=422)
+    return JSONResponse(refusal(message), status_code=422)
 
 
 def unknown_endpoint(request: Request, error: Exception) -> JSONResponse:
@@ -168,7 +166,7 @@ def unknown_endpoint(request: Request, error: Exception) -> JSONResponse:
         "(see /gradio_api/info)"
     )
     log.info("refused %s %s: %s", request.method, request.url.path, message)
-    return JSONResponse({"error": message, "detail": message}, status_code=404)
+    return JSONResponse(refusal(message), status_code=404)
 
 
 EXCEPTION_HANDLERS = {RequestValidationError: invalid_request, FnIndexInferError: unknown_endpoint}

@@ -57,7 +57,8 @@ class CacheBound:
         self.max_bytes, self.max_age_s = max_bytes, max_age_s
         self.folder = None if folder is None else os.path.realpath(folder)
         self.grace_s, self.interval_s = grace_s, interval_s
-        self.blocks: Any = None
+        self.blocks: Any = None  # the app whose cache is swept
+        self.pages: list[Any] = []  # every app serving this service: uploads to any are its
         self._in_use: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -65,14 +66,16 @@ class CacheBound:
         self._removed: deque[str] = deque(maxlen=REMEMBER_REMOVED)
 
     def holds(self, path: str | os.PathLike) -> bool:
-        """Whether ``path`` is a file Gradio placed in this app's cache (an upload, an example,
-        an image the page was sent). Only these may be read for a request: any other path a
-        client names is refused unread. Without an app (the service used in-process, where the
-        caller is the program itself) every path is the caller's to name."""
-        if self.blocks is None:
+        """Whether ``path`` is a file Gradio placed in the cache of one of the service's pages
+        (an upload, an example, an image the page was sent). Only these may be read for a
+        request: any other path a client names is refused unread. Without an app (the service
+        used in-process, where the caller is the program itself) every path is the caller's to
+        name."""
+        pages = [p for p in (*self.pages, self.blocks) if p is not None]
+        if not pages:
             return True
         wanted = os.path.abspath(path)
-        return any(wanted in files for files in list(self.blocks.temp_file_sets))
+        return any(wanted in files for page in pages for files in list(page.temp_file_sets))
 
     def removed(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` was in the cache until a sweep removed it (the page still shows it)."""
@@ -97,6 +100,8 @@ class CacheBound:
     def start(self, blocks: Any) -> None:
         """Sweep ``blocks``' cache every ``interval_s`` seconds in a daemon thread."""
         self.blocks = blocks
+        if blocks not in self.pages:
+            self.pages.append(blocks)
         if self.max_bytes is None and self.max_age_s is None:
             return
         self._thread = threading.Thread(target=self._run, name="cache-bound", daemon=True)

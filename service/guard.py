@@ -133,12 +133,27 @@ class GuardMiddleware:
             and not await self.admitted(scope, send, client)
         ):
             return
-        counted = method == "POST" or path.startswith(STREAM_PREFIXES)
-        guard.open_requests += counted
-        try:
+        if not (method == "POST" or path.startswith(STREAM_PREFIXES)):
             await self.answered(scope, receive, send, client)
+            return
+        # in flight until its answer's last byte is sent: a client that has its answer is not
+        # waited for, though the app may still be finishing the request
+        guard.open_requests += 1
+        done = False
+
+        async def sent(message: Message) -> None:
+            nonlocal done
+            await send(message)
+            last = message["type"] == "http.response.body" and not message.get("more_body")
+            if last and not done:
+                done = True
+                guard.open_requests -= 1
+
+        try:
+            await self.answered(scope, receive, sent, client)
         finally:
-            guard.open_requests -= counted
+            if not done:
+                guard.open_requests -= 1
 
     async def admitted(self, scope: Scope, send: Send, client: str) -> bool:
         """Whether the request is logged in: the page's cookie, or HTTP Basic auth with the
@@ -246,8 +261,9 @@ def refused_status(body: bytes) -> int:
 
 
 def refusal(message: str) -> dict[str, str]:
-    """The body of every refusal, the page's and the HTTP API's: ``{"error": message}``, with
-    ``detail`` too, where FastAPI clients look."""
+    """The body of every refusal, the page's and the HTTP API's, the guard's and the routes':
+    ``{"error": message, "detail": message}``, the one line in both (``detail`` is where
+    FastAPI clients look)."""
     return {"error": message, "detail": message}
 
 

@@ -33,7 +33,14 @@ from showattendtell.captioning.records import record_dict
 from showattendtell.images.files import ImageError
 from showattendtell.search.decoding import DECODING_OPTIONS, DecodingError, DecodingOption
 
-from .api_guard import Admission, ApiError, BodyLimit, Measured, install_error_handlers
+from .api_guard import (
+    Admission,
+    ApiError,
+    BodyLimit,
+    Measured,
+    error_response,
+    install_error_handlers,
+)
 from .guard import Guard, GuardMiddleware
 from .metrics import Metrics
 from .uploads import read_upload
@@ -143,9 +150,8 @@ def service_routes(app: FastAPI, service: CaptionService) -> None:
     @app.get("/readyz", summary="Ready: the models are loaded and the worker runs")
     async def readyz() -> JSONResponse:
         if not service.running:
-            return JSONResponse(
-                {"error": "not ready: the captioning worker has stopped; restart sat serve"},
-                status_code=503,
+            return error_response(
+                503, "not ready: the captioning worker has stopped; restart sat serve"
             )
         return JSONResponse({"status": "ready", "models": service.names})
 
@@ -162,8 +168,9 @@ CAPTIONS_DESCRIPTION = (
     "file name sent), caption, score, log_prob, words, familiarity, confidence (0..1: the chance "
     "that the caption is good), warning (when there is one), model, model_sha256, decoding "
     "and, with `with_attention=true`, attention (one grid per word) and, for hard attention, "
-    "locations. With `Accept: application/x-ndjson` the answer "
-    'is those JSON Lines themselves. Refusals are 4xx with `{"error": "..."}`.'
+    "locations. With `Accept: application/x-ndjson` the answer is those JSON Lines themselves. "
+    "Refusals are 4xx (5xx when the service cannot answer) with "
+    '`{"error": "...", "detail": "..."}`, the same line in both.'
 )
 
 

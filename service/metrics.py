@@ -69,9 +69,14 @@ class Metrics:
         service.on_caption.append(self.captioned)
 
     def close(self) -> None:
-        """Stop counting the service's batches and captions (its server has stopped)."""
-        self.service.on_batch.remove(self.batch_size.observe)
-        self.service.on_caption.remove(self.captioned)
+        """Stop counting the service's batches and captions (its server has stopped). Closing
+        again does nothing: `sat serve`'s stop closes the server, and so may its owner."""
+        for listeners, listener in (
+            (self.service.on_batch, self.batch_size.observe),
+            (self.service.on_caption, self.captioned),
+        ):
+            if listener in listeners:
+                listeners.remove(listener)
 
     def captioned(self, result: CaptionResult) -> None:
         self.photos.inc()

@@ -59,8 +59,14 @@ def _examples() -> list[Path]:
 
 
 def photo(i: int = 0) -> Path:
-    """A real photo: one of the example photos that ship with the service (in the repository)."""
-    return _examples()[i]
+    """A real photo: one of the example photos that ship with the service (in the repository).
+    There are only a few: ``photos(n)`` makes as many distinct ones as a test needs."""
+    examples = _examples()
+    if not 0 <= i < len(examples):
+        raise IndexError(
+            f"photo({i}): the service ships {len(examples)} example photos; use photos(n) for more"
+        )
+    return examples[i]
 
 
 @functools.cache

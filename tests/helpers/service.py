@@ -1,7 +1,11 @@
 """What the web service's tests share (tests/service/test_service_*.py): odd and bad files, tiny
-models
-served in-process and on a live port, a model with a consensus index. Their photos come from
-helpers.photos.
+models served in-process and on a live port, a model with a consensus index. Their photos come
+from helpers.photos.
+
+tests/service/conftest.py registers the fixtures. The model files are made once a session; each
+module loads its own services and page: a page built on a service makes it read only what was
+uploaded to a page (a file path given in-process is then refused), so a module that captions
+in-process must not see another module's pages.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def indexed_model(tiny_model_file: Path, folder: Path, photos: int = 24) -> Path
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_expected_file(tiny_hard_model_file: Path, tmp_path_factory) -> Path:
     """The tiny hard-attention model storing hard_mode 'expectation' (the bundled one stores
     'argmax'): the controls must start at a model's stored mode, whichever it is."""

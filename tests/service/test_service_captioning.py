@@ -2,8 +2,6 @@
 uploads.py): real photos and odd files, the API's JSON, decoding options, batching, consensus
 beams and familiarity."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import base64
@@ -13,20 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.photos import encode, photo
+from helpers.photos import encode, photo, photos
 from PIL import Image
 
 from showattendtell.images.files import ImageError, full_size
 from showattendtell.search.decoding import MAX_BEAM_SIZE, MAX_CAPTION_LENGTH, DecodingError
 
 gr = pytest.importorskip("gradio")
-from helpers.service import (  # noqa: E402, F401 (fixtures)
-    EXPECTED,
-    bad_inputs,
-    indexed_service,
-    service,
-    tiny_expected_file,
-)
+from helpers.service import EXPECTED, bad_inputs  # noqa: E402
 from showattendtell.service import events  # noqa: E402
 from showattendtell.service.captioning import api_caption, caption_image  # noqa: E402
 from showattendtell.service.worker import CaptionService, ServiceError, load_service  # noqa: E402
@@ -325,23 +317,23 @@ def test_bad_input_gives_clear_messages(service: CaptionService, tmp_path: Path)
 def test_concurrent_requests_are_batched_with_the_same_results(
     service: CaptionService,
 ):
-    photos = [photo(i) for i in range(4)]
-    alone = [caption_image(service, str(p)).result.caption for p in photos]
+    shots = photos(4)
+    alone = [caption_image(service, str(p)).result.caption for p in shots]
     before = len(service.batch_sizes)
     results: dict[int, str] = {}
-    barrier = threading.Barrier(len(photos))
+    barrier = threading.Barrier(len(shots))
 
     def run(i: int) -> None:
         barrier.wait()
-        results[i] = caption_image(service, str(photos[i])).result.caption
+        results[i] = caption_image(service, str(shots[i])).result.caption
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(photos))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shots))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert [results[i] for i in range(len(photos))] == alone
-    assert sum(service.batch_sizes[before:]) == len(photos)
+    assert [results[i] for i in range(len(shots))] == alone
+    assert sum(service.batch_sizes[before:]) == len(shots)
 
 
 def test_the_confidence_reaches_the_api_and_the_status_line(indexed_service: CaptionService):

@@ -4,6 +4,7 @@ The live server's answers are in test_service_hostile.py."""
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import errno
 import json
@@ -189,6 +190,28 @@ def test_drain_waits_for_requests_in_flight_then_says_how_many_are_left():
     assert guard.drain(timeout_s=0.05, poll_s=0.01) == 2 and guard.draining
     Queue.pending_event_ids_session = {}
     assert guard.drain(timeout_s=5) == 0
+
+
+def test_a_request_is_in_flight_until_its_answer_is_sent():
+    """Not until the app returns: a client that has its whole answer is not waited for."""
+    guard = Guard()
+    counts: list[int] = []
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        counts.append(guard.in_flight())  # answering
+        await send({"type": "http.response.body", "body": b"{}"})
+        counts.append(guard.in_flight())  # answered, the app still finishing
+
+    async def nothing() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def ignore(message) -> None:
+        pass
+
+    scope = {"type": "http", "path": "/v1/captions", "method": "POST", "headers": []}
+    asyncio.run(GuardMiddleware(app, guard)(scope, nothing, ignore))
+    assert counts == [1, 0] and guard.in_flight() == 0
 
 
 class FakeBlocks:

@@ -3,8 +3,6 @@ login guessed over and over (throttled; every route behind it), a full disk (a m
 service again) and a battery of malformed requests (a message each, no traceback, one log line
 each). Servers on 127.0.0.1, in this process, so that a write can fail on purpose."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import errno
@@ -20,7 +18,6 @@ from helpers.photos import photo
 
 gr = pytest.importorskip("gradio")
 import httpx  # noqa: E402
-from helpers.service import free_port, server, service, tiny_expected_file  # noqa: E402, F401
 from showattendtell.service.blocks import EXAMPLE_PHOTO  # noqa: E402
 from showattendtell.service.guard import DISK_FULL, Guard  # noqa: E402
 from showattendtell.service.http_api import ApiSettings  # noqa: E402

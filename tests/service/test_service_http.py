@@ -3,8 +3,6 @@
 login, and `sat serve --api-only` as its own process (no Gradio imported, the docs' curl example,
 a stop on SIGTERM)."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import json
@@ -17,21 +15,20 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers.photos import encode, noise, photo
-from helpers.service import (  # noqa: F401 (fixtures)
-    ROOT,
-    png_bomb,
-    service,
-    tiny_expected_file,
-)
+from helpers.photos import encode, noise, photo, photos
+from helpers.service import ROOT, png_bomb
 from prometheus_client.parser import text_string_to_metric_families
 from showattendtell.service.guard import Guard
 from showattendtell.service.http_api import ApiSettings
+from showattendtell.service.login import LoginThrottle
 from showattendtell.service.serve import serve_until_stopped
 from showattendtell.service.server import Background, PageSettings, build
 from showattendtell.service.worker import CaptionService, load_service
@@ -45,7 +42,12 @@ LOGIN = ("alice", "s3cret:x")
 
 def jpeg(i: int) -> tuple[str, bytes, str]:
     """The i-th example photo as a multipart file part."""
-    return (photo(i).name, photo(i).read_bytes(), "image/jpeg")
+    return part(photo(i))
+
+
+def part(path: Path) -> tuple[str, bytes, str]:
+    """A JPEG file as a multipart file part."""
+    return (path.name, path.read_bytes(), "image/jpeg")
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +60,34 @@ def api(service: CaptionService):
     server.close()
 
 
+class Clock:
+    """The login throttle's clock, moved on by the test instead of waited for."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Guarded:
+    """A server with a login: its client, and its failed-login throttle's clock."""
+
+    client: httpx.Client
+    throttle: LoginThrottle
+    clock: Clock
+
+
 @pytest.fixture(scope="module")
 def guarded(service: CaptionService):
-    """The same with a login (the page's and the API's)."""
-    settings = ApiSettings(LIMIT, auth=[LOGIN])
-    server = Background(build(service, settings, PageSettings()))
+    """The same with a login (the page's and the API's), its throttle as `sat serve`'s but on
+    a clock the test moves instead of waiting."""
+    clock = Clock()
+    guard = Guard(throttle=LoginThrottle(clock=clock))
+    server = Background(build(service, ApiSettings(LIMIT, auth=[LOGIN]), PageSettings(), guard))
     with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
+        yield Guarded(client, guard.throttle, clock)
     server.close()
 
 
@@ -198,22 +221,33 @@ def read_to_end(s: socket.socket) -> str:
     return data.decode()
 
 
-def test_login(guarded: httpx.Client):
+def test_login(guarded: Guarded):
     """The page's credentials, as HTTP Basic auth: without them or wrong, a 401 saying how to
-    log in; /healthz and /readyz stay open for load balancers; the page asks for them too."""
-    files = [("images", jpeg(0))]
+    log in; /healthz and /readyz stay open for load balancers; the page asks for them too. A
+    wrong login counts toward the failed-login throttle: after ``free`` in a row a 429 with
+    Retry-After, the right password unchecked, until the wait is over."""
+    web, files = guarded.client, [("images", jpeg(0))]
     for auth in (None, ("alice", "wrong"), ("bob", LOGIN[1])):
-        error = refused(guarded.post("/v1/captions", files=files, auth=auth), 401, "curl -u")
+        error = refused(web.post("/v1/captions", files=files, auth=auth), 401, "curl -u")
         assert LOGIN[1] not in error
-        refused(guarded.get("/v1/models", auth=auth), 401, "log in")
-        refused(guarded.get("/metrics", auth=auth), 401, "log in")
-    bad = guarded.get("/v1/models", headers={"authorization": "Basic %%%"})
+        refused(web.get("/v1/models", auth=auth), 401, "log in")
+        refused(web.get("/metrics", auth=auth), 401, "log in")
+        assert web.get("/v1/models", auth=LOGIN).status_code == 200  # forgets the failures
+    bad = web.get("/v1/models", headers={"authorization": "Basic %%%"})
     refused(bad, 401, "log in")
-    assert guarded.get("/v1/models").headers["www-authenticate"].startswith("Basic")
-    assert records(guarded.post("/v1/captions", files=files, auth=LOGIN))[0]["caption"]
-    assert guarded.get("/healthz").status_code == 200
-    assert guarded.get("/readyz").status_code == 200
-    assert guarded.get("/config").status_code == 401  # Gradio's login guards the page
+    assert web.get("/v1/models").headers["www-authenticate"].startswith("Basic")
+    assert records(web.post("/v1/captions", files=files, auth=LOGIN))[0]["caption"]
+    assert web.get("/healthz").status_code == 200
+    assert web.get("/readyz").status_code == 200
+    assert web.get("/config").status_code == 401  # Gradio's login guards the page
+
+    for _ in range(guarded.throttle.free):
+        refused(web.get("/v1/models", auth=("alice", "guess")), 401, "log in")
+    locked = web.get("/v1/models", auth=LOGIN)
+    refused(locked, 429, "too many failed logins .* try again in 1 s")
+    assert locked.headers["retry-after"] == "1"
+    guarded.clock.now += 1
+    assert web.get("/v1/models", auth=LOGIN).status_code == 200
 
 
 def test_no_login_needed_without_auth(api: httpx.Client):
@@ -273,27 +307,26 @@ def test_openapi_schema_from_the_option_table(api: httpx.Client, service: Captio
 
 def test_concurrent_clients(api: httpx.Client, service: CaptionService):
     """8 clients at once, each with its photo: every answer is that photo's own caption (as a
-    lone request gets it), and the worker batched some of them together."""
-    alone = [
-        records(api.post("/v1/captions", files=[("images", jpeg(i % 4))]))[0] for i in range(4)
-    ]
+    lone request gets it), and every photo went through the worker once."""
+    shots = photos(4)
+    alone = [records(api.post("/v1/captions", files=[("images", part(p))]))[0] for p in shots]
     before = len(service.batch_sizes)
 
     def one(i: int) -> dict:
         with httpx.Client(base_url=api.base_url, timeout=120) as client:
-            return records(client.post("/v1/captions", files=[("images", jpeg(i % 4))]))[0]
+            return records(client.post("/v1/captions", files=[("images", part(shots[i % 4]))]))[0]
 
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(one, range(16)))
+        answers = list(pool.map(one, range(8)))
     for i, r in enumerate(answers):
-        assert r["caption"] == alone[i % 4]["caption"] and r["path"] == photo(i % 4).name
-    assert sum(service.batch_sizes[before:]) == 16
+        assert r["caption"] == alone[i % 4]["caption"] and r["path"] == shots[i % 4].name
+    assert sum(service.batch_sizes[before:]) == 8
 
 
-def held_service(model_file: Path) -> tuple[CaptionService, threading.Event, threading.Event]:
-    """A service whose worker holds its first batch until ``gate`` is set; ``entered`` is set
-    once it holds it."""
-    svc = load_service([model_file], device="cpu")
+@contextmanager
+def held(svc: CaptionService) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """``svc``'s worker holds its next batch until ``gate`` is set; ``entered`` is set once it
+    holds it. The hold is gone when the block ends (the shared service serves on)."""
     entered, gate = threading.Event(), threading.Event()
 
     def hold(size: int) -> None:
@@ -301,45 +334,45 @@ def held_service(model_file: Path) -> tuple[CaptionService, threading.Event, thr
         gate.wait(60)
 
     svc.on_batch.append(hold)
-    return svc, entered, gate
+    try:
+        yield entered, gate
+    finally:
+        gate.set()
+        svc.on_batch.remove(hold)
 
 
-def test_busy_server_refuses_with_503(tiny_model_file: Path):
+def test_busy_server_refuses_with_503(service: CaptionService):
     """Beyond --concurrency + --queue-size requests at once: a 503 with Retry-After, at once."""
-    svc, entered, gate = held_service(tiny_model_file)
-    server = Background(build(svc, ApiSettings(concurrency=1, queue_size=1), None))
+    server = Background(build(service, ApiSettings(concurrency=1, queue_size=1), None))
     admission = server.app.state.admission
     try:
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(2) as pool, held(service) as (entered, gate):
             url = server.url + "/v1/captions"
-            held = [pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)]
+            waiting = [pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)]
             assert entered.wait(60)  # the first request is in the worker
-            held.append(pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120))
+            waiting.append(pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120))
             while admission.inside < 2:  # the second waits for the first's place
-                assert not held[1].done(), held[1].result().text
+                assert not waiting[1].done(), waiting[1].result().text
                 threading.Event().wait(0.01)
             response = httpx.post(url, files=[("images", jpeg(0))], timeout=30)
             refused(response, 503, "busy.*try again")
             assert response.headers["retry-after"]
             gate.set()
-            assert [f.result().status_code for f in held] == [200, 200]
+            assert [f.result().status_code for f in waiting] == [200, 200]
     finally:
-        gate.set()
         server.close()
-        svc.close()
 
 
-def test_stop_answers_api_requests_in_flight_and_refuses_new_ones(tiny_model_file: Path):
+def test_stop_answers_api_requests_in_flight_and_refuses_new_ones(service: CaptionService):
     """The graceful stop of `sat serve` covers the HTTP API: a caption request in flight when
     the stop comes is answered, one sent after gets 503 "stopping", then the server closes."""
-    svc, entered, gate = held_service(tiny_model_file)
     guard, stop = Guard(), threading.Event()
-    server = Background(build(svc, ApiSettings(), PageSettings(), guard))
+    server = Background(build(service, ApiSettings(LIMIT), PageSettings(), guard))
     stopper = threading.Thread(target=serve_until_stopped, args=(server, guard, stop, 60))
     try:
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(1) as pool, held(service) as (entered, gate):
             url = server.url + "/v1/captions"
-            held = pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)
+            taken = pool.submit(httpx.post, url, files=[("images", jpeg(0))], timeout=120)
             assert entered.wait(60)  # the request is in the worker
             stop.set()
             stopper.start()
@@ -348,13 +381,11 @@ def test_stop_answers_api_requests_in_flight_and_refuses_new_ones(tiny_model_fil
             refused(httpx.post(url, files=[("images", jpeg(1))], timeout=30), 503, "stopping")
             assert stopper.is_alive() and guard.in_flight() == 1  # waiting for the one taken
             gate.set()
-            assert records(held.result())[0]["caption"]
+            assert records(taken.result())[0]["caption"]
         stopper.join(60)
         assert not stopper.is_alive() and not server.is_running
     finally:
-        gate.set()
         server.close()
-        svc.close()
 
 
 def test_metrics(api: httpx.Client):
@@ -391,21 +422,23 @@ def test_metrics(api: httpx.Client):
     assert "sat_queue_depth" in families
 
 
-def test_two_processes_answer_alike(tiny_model_file: Path):
+def test_two_processes_answer_alike(service: CaptionService, tiny_model_file: Path):
     """Stateless: two servers with their own service (as two `sat serve` behind a load
     balancer) give the same records for the same request."""
+    other = load_service([tiny_model_file], device="cpu")
     answers = []
-    for _ in range(2):
-        svc = load_service([tiny_model_file], device="cpu")
-        server = Background(build(svc, ApiSettings(), None))
-        try:
-            files = [("images", jpeg(3))]
-            answers.append(
-                records(httpx.post(server.url + "/v1/captions", files=files, timeout=120))
-            )
-        finally:
-            server.close()
-            svc.close()
+    try:
+        for svc in (service, other):
+            server = Background(build(svc, ApiSettings(), None))
+            try:
+                files = [("images", jpeg(2))]
+                answers.append(
+                    records(httpx.post(server.url + "/v1/captions", files=files, timeout=120))
+                )
+            finally:
+                server.close()
+    finally:
+        other.close()
     assert answers[0] == answers[1]
 
 

@@ -1,8 +1,6 @@
 """The live service: the /caption API through gradio_client against a server on 127.0.0.1
 (with and without a login), and a real headless Chromium session on the page."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import json
@@ -17,14 +15,7 @@ from helpers.photos import noise, photo
 from PIL import Image
 
 gr = pytest.importorskip("gradio")
-from helpers.service import (  # noqa: E402, F401 (fixtures)
-    EXPECTED,
-    bad_inputs,
-    free_port,
-    server,
-    service,
-    tiny_expected_file,
-)
+from helpers.service import EXPECTED, bad_inputs, free_port  # noqa: E402
 from showattendtell.service import events  # noqa: E402
 from showattendtell.service.app import launch  # noqa: E402
 from showattendtell.service.auth import read_auth  # noqa: E402
@@ -280,6 +271,14 @@ def test_browser_hard_mode_frames_and_rejected_uploads(
             _status_has(page, events.PROMPT)
             expect(page.locator("#word-gallery img")).to_have_count(0)
             _wait_for_outputs(page, cleared)
+            # another refused file at once, while that refusal's toast still shows (Gradio
+            # shows the two in one toast): reported too
+            notes = tmp_path / "notes.txt"
+            notes.write_text("not a photo\n")
+            page.set_input_files(upload, str(big))
+            page.set_input_files(upload, str(notes))
+            _status_has(page, "notes.txt")
+            assert "Cannot caption this file" in page.inner_text("#status")
 
             # back to the soft model: the control hides; an example photo captions
             page.locator("#model input").click()
@@ -307,8 +306,6 @@ def test_browser_hard_mode_frames_and_rejected_uploads(
 
             # a file type Gradio's page refuses before uploading (no server event of its own):
             # the previous photo's outputs are cleared as for any file that cannot be captioned
-            notes = tmp_path / "notes.txt"
-            notes.write_text("not a photo\n")
             page.set_input_files(upload, str(notes))
             _status_has(page, "Cannot caption this file")
             assert "notes.txt" in page.inner_text("#status")

@@ -1,8 +1,6 @@
 """The service as a package: the example photos it ships, its modules, and the documented
 `sat serve` options."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import fnmatch

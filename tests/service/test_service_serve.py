@@ -1,8 +1,6 @@
 """`sat serve` (service/serve.py, service/auth.py): options, models, logins, the busy port, and
 the decoding flags made from decoding.py's option table."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 import re
@@ -18,7 +16,7 @@ from showattendtell.cli.main import build_parser, main
 from showattendtell.search.decoding import DECODING_OPTIONS
 
 pytest.importorskip("gradio")
-from helpers.service import ROOT, tiny_expected_file  # noqa: E402, F401 (fixtures)
+from helpers.service import ROOT  # noqa: E402
 from showattendtell.service.auth import (  # noqa: E402
     AUTH_ENV,
     AuthError,
@@ -176,9 +174,24 @@ def test_second_sat_serve_on_a_busy_port(tmp_path):
     )
 
 
-def _fake_launch(monkeypatch) -> dict:
-    """Patch the server: `sat serve` loads its models and returns instead of serving."""
+def _fake_launch(monkeypatch, load: bool = True) -> dict:
+    """Patch the server: `sat serve` loads its models and returns instead of serving.
+    ``load=False``: the models are not loaded either (a test of what reaches the server's
+    settings, which no model changes); ``seen["loaded"]`` has what they would be loaded with."""
     seen: dict = {}
+
+    class Unloaded:
+        captioners: dict = {}
+
+        def close(self) -> None:
+            seen["service_closed"] = True
+
+    def load_service(paths, device, **kwargs):
+        seen["loaded"] = (paths, device, kwargs)
+        return Unloaded()
+
+    if not load:
+        monkeypatch.setattr("showattendtell.service.worker.load_service", load_service)
     monkeypatch.delenv("GRADIO_TEMP_DIR", raising=False)  # `sat serve` sets it: unset after
 
     class Stopped:
@@ -219,14 +232,15 @@ def _fake_launch(monkeypatch) -> dict:
 
 def test_serve_api_options(tiny_model_file, monkeypatch):
     """The HTTP API gets the page's limits and login; --api-only serves it without the page."""
-    seen = _fake_launch(monkeypatch)
+    seen = _fake_launch(monkeypatch, load=False)
     monkeypatch.setenv(AUTH_ENV, "alice:pw")
     base = ["--model", str(tiny_model_file), "--max-upload-mb", "2", "--concurrency", "3"]
     assert serve_on_cpu(*base, "--max-images", "5", "--queue-size", "9") == 0
     s = seen["settings"]
     assert (s.max_upload_bytes, s.max_images, s.concurrency, s.queue_size) == (2 * 2**20, 5, 3, 9)
     assert s.auth == [("alice", "pw")] and seen["page"] is not None and seen["app"] == "app"
-    assert seen["closed"]  # the server stopped: `sat serve` closed it and returned
+    assert seen["closed"] and seen["service_closed"]  # the server stopped, then the service
+    assert seen["loaded"][:2] == ([str(tiny_model_file)], "cpu")
     assert serve_on_cpu(*base, "--api-only") == 0
     assert seen["page"] is None
     assert main(["serve", "--max-images", "0"]) == 2
@@ -249,7 +263,7 @@ def test_serve_decoding_options_become_every_models_defaults(
 
 
 def test_serve_passes_the_cache_and_session_bounds(tiny_model_file, monkeypatch):
-    seen = _fake_launch(monkeypatch)
+    seen = _fake_launch(monkeypatch, load=False)
     bounds = ["--cache-mb", "5", "--cache-hours", "0", "--session-minutes", "10"]
     assert serve_on_cpu("--model", str(tiny_model_file), *bounds, "--max-sessions", "7") == 0
     assert seen["cache"].max_bytes == 5 * 2**20 and seen["cache"].max_age_s is None
@@ -278,7 +292,7 @@ def test_serve_bundled_model_by_name(monkeypatch):
 
 
 def test_serve_warns_without_login_beyond_localhost(tiny_model_file, tmp_path, monkeypatch, capsys):
-    seen = _fake_launch(monkeypatch)
+    seen = _fake_launch(monkeypatch, load=False)
     monkeypatch.delenv(AUTH_ENV, raising=False)
     base = ["--model", str(tiny_model_file), "--port", str(_free())]
     assert serve_on_cpu(*base, "--host", "0.0.0.0") == 0

@@ -60,12 +60,13 @@ def test_sigterm_answers_the_requests_in_flight_then_exits_0(tiny_model_file: Pa
             (path,) = web.post(api + "/upload", files=files).json()
             image = {"path": path, "orig_name": "photo.jpg", "meta": {"_type": "gradio.FileData"}}
             body = {"data": [image] + [None] * (n - 1)}
-            # six requests taken: their answers wait in the server until each is fetched
+            # three requests taken (one captioned at a time: two wait in the queue); their
+            # answers wait in the server until each is fetched
             events = [
-                web.post(api + "/call/caption", json=body).json()["event_id"] for _ in range(6)
+                web.post(api + "/call/caption", json=body).json()["event_id"] for _ in range(3)
             ]
             proc.send_signal(signal.SIGTERM)
-            err.wait_for(r"stopping: finishing 6 request")
+            err.wait_for(r"stopping: finishing 3 request")
             late = web.post(api + "/call/caption", json=body)
             assert late.status_code == 503 and "stopping" in late.json()["error"]
             for event in events:

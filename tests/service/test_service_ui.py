@@ -2,8 +2,6 @@
 handlers' outputs, the controls made from the option table, the events' wiring, overlays, the
 colour scale and flat maps."""
 
-# ruff: noqa: F811 (the shared fixtures imported from helpers.service are parameters)
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,12 +15,7 @@ from PIL import Image
 from showattendtell.search.decoding import DECODING_OPTIONS, MAX_BEAM_SIZE, MAX_CAPTION_LENGTH
 
 gr = pytest.importorskip("gradio")
-from helpers.service import (  # noqa: E402, F401 (fixtures)
-    indexed_service,
-    service,
-    tiny_expected_file,
-    white_pixels,
-)
+from helpers.service import white_pixels  # noqa: E402
 from showattendtell.service import drawing, events, options  # noqa: E402
 from showattendtell.service.app import build_app  # noqa: E402
 from showattendtell.service.uploads import find_examples  # noqa: E402
