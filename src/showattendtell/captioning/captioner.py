@@ -281,13 +281,15 @@ class Captioner:
                 locs = [divmod(int(s), g) for s in best.locations]
             results.append(
                 CaptionResult(
-                    caption=" ".join(words),
+                    caption=self.model.vocab.detokenize(words),  # as its language writes
                     words=words,
                     score=best.score,
                     log_prob=best.log_prob,
                     attention=best.alphas.float().cpu().numpy().reshape(len(words), g, g),
                     locations=locs,
-                    beams=[(" ".join(self.model.words(h)), h.score) for h in hyps],
+                    beams=[
+                        (self.model.vocab.detokenize(self.model.words(h)), h.score) for h in hyps
+                    ],
                     warning=scorer.warning(fam, risk, lp) if scorer is not None else None,
                     familiarity=fam,
                     consensus=[h.consensus for h in hyps] if best.consensus is not None else None,

@@ -378,6 +378,8 @@ class DatasetFormat:
     download: str = ""  # the command that downloads it into {root}, if `sat data` does
     describe: Callable[[Path], str] | None = None  # how a split error names it (default: name)
     split_hint: Callable[[Path, list[str]], str] | None = None  # why a split is not there
+    # whether ``load`` takes ``split_ratio`` (a format whose file may name no splits)
+    takes_split_ratio: bool = False
 
 
 _DATASETS: dict[str, DatasetFormat] = {}
@@ -404,13 +406,29 @@ def list_datasets() -> list[str]:
     return list(_DATASETS)
 
 
-def load_split(dataset: str, root: str | Path, split: str) -> Split:
-    """The split ``split`` of the dataset ``dataset`` (a registered format) in ``root``."""
+def load_split(
+    dataset: str, root: str | Path, split: str, split_ratio: float | None = None
+) -> Split:
+    """The split ``split`` of the dataset ``dataset`` (a registered format) in ``root``;
+    ``split_ratio`` (the training share) for a format whose files may name no splits."""
     fmt = get_dataset(dataset)
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(f"dataset folder {root} does not exist: see data/README.md")
-    return fmt.load(root, split)
+    if split_ratio is None:
+        return fmt.load(root, split)
+    check_split_ratio_taken(dataset)
+    return fmt.load(root, split, split_ratio=split_ratio)
+
+
+def check_split_ratio_taken(dataset: str, option: str = "--data.split_ratio") -> None:
+    """A split ratio for a dataset whose files name its splits is a usage error."""
+    if not get_dataset(dataset).takes_split_ratio:
+        takers = [n for n, f in _DATASETS.items() if f.takes_split_ratio]
+        raise SplitError(
+            f"{option}: {dataset} names its own splits; a split ratio is for "
+            f"{' and '.join(takers)} (drop the option)"
+        )
 
 
 def check_split_name(option: str, dataset: str, root: str | Path, split: str) -> None:
@@ -492,3 +510,7 @@ register_dataset(
         split_hint=_coco_hint,
     )
 )
+
+# the format of a folder of photos and its captions file (its own module: it is a format of its
+# own, registered there; imported last, as it builds on the definitions above)
+import showattendtell.data.own_captions  # noqa: E402, F401
