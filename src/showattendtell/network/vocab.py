@@ -27,7 +27,6 @@ PAD, START, END, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<start>", "<end>", "<unk>")
 
 
-
 def tokenize(caption: str) -> list[str]:
     """Lower-case Penn-Treebank tokens with punctuation stripped, as the COCO toolkit does (the
     ``ptb`` tokenizer; a Vocabulary tokenises with its own, ``Vocabulary.tokenize``)."""
