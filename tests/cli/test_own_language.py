@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -125,3 +126,36 @@ def test_train_export_caption_and_evaluate_in_german_and_japanese(tmp_path, caps
     results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
     expected_test = 2 if language == "de" else 3  # the split column's 2; half of 6 for 0.5
     assert len(results) == expected_test
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--data.tokenizer", "mecab"], "--data.tokenizer: unknown tokenizer 'mecab': choose one"),
+        (["--data.split_ratio", "1.5"], "--data.split_ratio 1.5: must be between 0 and 1"),
+        (["--data.root", "{empty}"], "no captions.csv or captions.jsonl in .*image,caption"),
+        (
+            ["--data.dataset", "flickr8k", "--data.split_ratio", "0.5"],
+            "flickr8k names its own splits",
+        ),
+    ],
+)
+def test_bad_own_data_settings_are_one_line_before_any_work(tmp_path, capsys, args, match):
+    data = tmp_path / "data"
+    _own_folder(data, "de")
+    (tmp_path / "empty").mkdir()
+    args = [a.format(empty=tmp_path / "empty") for a in args]
+    train = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--data.dataset"]
+    train += ["captions", "--data.root", str(data), "--run.dir", str(tmp_path / "run"), *args]
+    assert main(train) in (1, 2)
+    err = capsys.readouterr().err.strip()
+    assert re.search(match, err) and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_evaluate_takes_a_split_ratio_for_the_captions_format_only(tmp_path, capsys):
+    data = tmp_path / "data"
+    _own_folder(data, "de")
+    evaluate = ["evaluate", "--dataset", "flickr8k", "--root", str(data), "--split-ratio", "0.5"]
+    assert main(evaluate) == 2
+    assert "flickr8k names its own splits" in capsys.readouterr().err

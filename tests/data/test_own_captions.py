@@ -128,3 +128,25 @@ def test_split_ratio_is_for_files_without_splits_and_between_0_and_1(tmp_path, s
             load_split("captions", tmp_path, "train", split_ratio=bad)
     with pytest.raises(SplitError, match="flickr8k names its own splits"):
         load_split("flickr8k", synthetic_flickr, "train", split_ratio=0.5)
+
+
+def test_the_datamodule_builds_the_vocabulary_with_its_tokenizer(tmp_path):
+    from showattendtell.data.datamodule import CaptionDataModule
+    from showattendtell.network.tokenizers import TokenizerError
+    from showattendtell.network.vocab import Vocabulary
+
+    names = _photos(tmp_path, 4)
+    rows = [json.dumps({"image": n, "caption": "赤い丸と青い四角。"}) for n in names]
+    (tmp_path / "captions.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    dm = CaptionDataModule("captions", str(tmp_path), min_word_count=1, tokenizer="unicode")
+    assert dm.vocab.tokenizer == "unicode" and set(dm.vocab.itos[4:]) == set("赤い丸と青い四角")
+    # a vocabulary file of another tokenizer than the run's is refused, in one line
+    dm.vocab.save(tmp_path / "vocab.json")
+    ptb = CaptionDataModule("captions", str(tmp_path), vocab_file=str(tmp_path / "vocab.json"))
+    with pytest.raises(TokenizerError, match="train with --data.tokenizer unicode"):
+        ptb.vocab  # noqa: B018
+    Vocabulary(dm.vocab.itos).save(tmp_path / "words.json")  # a plain word list takes the run's
+    words = CaptionDataModule(
+        "captions", str(tmp_path), vocab_file=str(tmp_path / "words.json"), tokenizer="unicode"
+    )
+    assert words.vocab.tokenizer == "unicode" and words.vocab.itos == dm.vocab.itos
