@@ -26,15 +26,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from showattendtell.data.datasets import (
+from showattendtell.data.splits import (
     CaptionedImage,
     DatasetError,
-    DatasetFormat,
     Split,
     SplitError,
-    _finish,
-    _read_text,
-    register_dataset,
+    finish_split,
+    read_text,
 )
 
 log = logging.getLogger(__name__)
@@ -88,7 +86,7 @@ def read_captions_file(root: Path) -> CaptionsFile:
 
 def _csv_rows(path: Path):
     """(line, image, [captions], split or None) of each row of a CSV file with a header."""
-    reader = csv.reader(io.StringIO(_read_text(path).removeprefix("\ufeff"), newline=""))
+    reader = csv.reader(io.StringIO(read_text(path).removeprefix("\ufeff"), newline=""))
     header = next(reader, None)
     while header is not None and not any(h.strip() for h in header):
         header = next(reader, None)  # blank lines before the header
@@ -119,7 +117,7 @@ def _csv_rows(path: Path):
 
 def _jsonl_rows(path: Path):
     """(line, image, [captions], split or None) of each object of a JSON Lines file."""
-    for number, line in enumerate(_read_text(path).removeprefix("\ufeff").splitlines(), 1):
+    for number, line in enumerate(read_text(path).removeprefix("\ufeff").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -240,17 +238,4 @@ def load_own_captions(root: str | Path, split: str, split_ratio: float | None = 
         for image, captions in found.captions.items()
         if splits.get(image) in wanted
     ]
-    return _finish(f"{found.path.name}/{split}", items, root)
-
-
-register_dataset(
-    DatasetFormat(
-        "captions",
-        load_own_captions,
-        captions_split_names,
-        f"a folder of photos and their {CSV_NAME} (columns image,caption and optionally split) "
-        f"or {JSONL_NAME} ({HOW})",
-        describe=lambda root: "the captions file",
-        takes_split_ratio=True,
-    )
-)
+    return finish_split(f"{found.path.name}/{split}", items, root)
