@@ -1,6 +1,7 @@
 """Your own photos and captions in your own language, end to end: `sat train` on a folder of 12
-photos with German (captions.csv, a split column) or Japanese (captions.jsonl, a split ratio)
-captions and --data.tokenizer unicode, then `sat export`, `sat caption` and `sat evaluate`."""
+photos with German (captions.csv, a split column; features cached by `sat features`) or Japanese
+(captions.jsonl, a split ratio) captions and --data.tokenizer unicode, then `sat export`,
+`sat caption` and `sat evaluate`."""
 
 from __future__ import annotations
 
@@ -88,6 +89,10 @@ def test_train_export_caption_and_evaluate_in_german_and_japanese(tmp_path, caps
         train += ["--run.dir", "runs/own", "--data.val_split", "val"]
         if split:
             train += ["--data.split_ratio", "0.5"]
+        else:  # German: the encoder's features cached first by `sat features`, then trained on
+            train += ["--data.feature_cache", "cache"]
+            assert main(["features", *train[1:]]) == 0
+            assert any((tmp_path / "cache").rglob("shard-*.npy"))
         assert main(train) == 0
         model = tmp_path / f"{language}.safetensors"
         assert main(["export", "runs/own/checkpoints/last.ckpt", str(model)]) == 0
