@@ -48,3 +48,18 @@ def test_a_model_file_without_a_tokenizer_loads_as_ptb_english():
         vocab = Vocabulary.from_json(f.metadata()["vocab"])
     assert vocab.tokenizer == "ptb" and vocab.english
     assert vocab.detokenize(["a", "dog", "runs"]) == "a dog runs"
+
+
+@pytest.mark.slow
+def test_a_consensus_index_holds_the_captions_as_the_model_tokenises_them(tmp_path):
+    from showattendtell.captioning.consensus_index import build_index
+
+    model, _, _ = read_model(_japanese_model(tmp_path / "ja.safetensors"))
+    (tmp_path / "data").mkdir()
+    for i, colour in enumerate([(200, 30, 30), (30, 30, 200)]):
+        Image.new("RGB", (64, 64), colour).save(tmp_path / "data" / f"{i}.png")
+    (tmp_path / "data" / "captions.csv").write_text(
+        "image,caption,split\n0.png,赤い丸。,train\n1.png,青い四角,train\n", encoding="utf-8"
+    )
+    index = build_index(model, "captions", tmp_path / "data", "train", neighbours=1)
+    assert index.references == [["赤 い 丸"], ["青 い 四 角"]]
