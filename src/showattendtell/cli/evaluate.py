@@ -45,7 +45,7 @@ from showattendtell.cli.evaluate_captions import (
 )
 from showattendtell.data.datasets import check_split_name, list_datasets, split_names
 from showattendtell.errors import sigterm_as_ctrl_c
-from showattendtell.network.tokenizers import DEFAULT_TOKENIZER
+from showattendtell.network.tokenizers import DEFAULT_TOKENIZER, get_tokenizer
 from showattendtell.search.options import DecodingConfig
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         captioner = load_model(args.model, args.device, args.precision)
         # said before spending minutes on captioning: English models are scored with the
         # official toolkit (Java); others on their own tokens (metrics.score_captions)
-        if _tokenizer(captioner) == DEFAULT_TOKENIZER:
+        if get_tokenizer(_tokenizer(captioner)).english:
             require_java(
                 "sat evaluate scores with the official COCO caption toolkit, whose PTB "
                 "tokenizer and METEOR need Java"
