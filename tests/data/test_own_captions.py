@@ -70,7 +70,7 @@ def test_a_missing_photo_is_skipped_with_a_warning_and_none_is_an_error(tmp_path
     with caplog.at_level(logging.WARNING):
         train = load_split("captions", tmp_path, "train")
     assert [im.image_id for im in train.images] == [names[0]]
-    assert "skipped 1 of 2" in caplog.text
+    assert "skipped 1 of 2" in caplog.text and "the first: photos/gone.png" in caplog.text
     with pytest.raises(MissingImagesError, match="put the image files there") as e:
         load_split("captions", tmp_path, "val").require_images()
     assert "\n" not in str(e.value)

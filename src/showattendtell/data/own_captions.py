@@ -238,4 +238,7 @@ def load_own_captions(root: str | Path, split: str, split_ratio: float | None = 
         for image, captions in found.captions.items()
         if splits.get(image) in wanted
     ]
-    return finish_split(f"{found.path.name}/{split}", items, root)
+    hint = (
+        f"the image column gives each photo's path in the folder: correct it in {found.path.name}"
+    )
+    return finish_split(f"{found.path.name}/{split}", items, root, hint)

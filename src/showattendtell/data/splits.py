@@ -68,19 +68,22 @@ class MissingImagesError(DatasetError):
     """A split was asked for whose image files are absent (e.g. withheld test images)."""
 
 
-def finish_split(name: str, candidates: list[CaptionedImage], where: Path) -> Split:
+def finish_split(name: str, candidates: list[CaptionedImage], where: Path, hint: str = "") -> Split:
+    """The split of the ``candidates`` whose files exist; one warning counts the others (with
+    ``hint``, what to check, and the first of them)."""
     present, missing = [], []
     for im in candidates:
         (present if im.path.is_file() else missing).append(im)
     n_caps = sum(len(im.captions) for im in missing)
     if missing:
         log.warning(
-            "%s: skipped %d of %d annotated images (%d captions) whose files are not in %s",
+            "%s: skipped %d of %d annotated images (%d captions) whose files are not in %s%s",
             name,
             len(missing),
             len(candidates),
             n_caps,
             where,
+            f" (the first: {missing[0].image_id}; {hint})" if hint else "",
         )
     return Split(name, present, [im.path for im in missing], Path(where), n_caps)
 
