@@ -78,7 +78,10 @@ class EnsembleModel(CaptionModel):
         first = models[0]
         ref = first.encoder.state_dict()
         for model, name in zip(models[1:], names[1:], strict=True):
-            if list(model.vocab.itos) != list(first.vocab.itos):
+            if (
+                list(model.vocab.itos) != list(first.vocab.itos)
+                or model.vocab.tokenizer != first.vocab.tokenizer
+            ):
                 raise EnsembleError(
                     f"{name} has another vocabulary than {names[0]}: an "
                     "ensemble needs models trained with the same vocabulary"

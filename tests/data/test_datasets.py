@@ -249,6 +249,11 @@ def _registry_folder(dataset: str, synthetic_flickr, root):
     elif dataset == "karpathy":
         shutil.copytree(synthetic_flickr / "images", root / "images")
         _karpathy_json(synthetic_flickr, root)
+    elif dataset == "captions":  # a folder of photos and a captions.csv naming no split
+        shutil.copytree(synthetic_flickr / "images", root / "images")
+        names = sorted(p.name for p in (root / "images").iterdir())
+        rows = [f"{name},a photo {i}" for i, name in enumerate(names)]
+        (root / "captions.csv").write_text("image,caption\n" + "\n".join(rows) + "\n")
     else:  # coco: the official caption files, read by pycocotools
         pytest.importorskip("pycocotools")
         (root / "annotations").mkdir(parents=True)

@@ -293,13 +293,15 @@ class Captioner:
             mine = {k: float(v[b]) for k, v in signals.items()}
             results.append(
                 CaptionResult(
-                    caption=captions[b][0],
+                    caption=self.model.vocab.detokenize(words),  # as its language writes
                     words=words,
                     score=best.score,
                     log_prob=best.log_prob,
                     attention=best.alphas.float().cpu().numpy().reshape(len(words), g, g),
                     locations=locs,
-                    beams=[(c, h.score) for c, h in zip(captions[b], hyps, strict=True)],
+                    beams=[
+                        (self.model.vocab.detokenize(self.model.words(h)), h.score) for h in hyps
+                    ],
                     warning=self._warning(scorer, sure, b, fam, risks, mine),
                     familiarity=fam,
                     consensus=[h.consensus for h in hyps] if best.consensus is not None else None,

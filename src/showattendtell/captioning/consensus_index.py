@@ -14,7 +14,6 @@ from showattendtell.data.feature_cache import FeatureCache
 from showattendtell.errors import UsageError
 from showattendtell.images.pipeline import encode_files
 from showattendtell.model import CaptionModel
-from showattendtell.network.vocab import tokenize
 from showattendtell.progress import Progress
 from showattendtell.search.consensus import DEFAULT_NEIGHBOURS, ConsensusIndex
 from showattendtell.search.decoding import DecodingConfig
@@ -87,7 +86,7 @@ def build_index(
         )
     return ConsensusIndex(
         torch.stack([pooled[im.image_id] for im in kept]),
-        [[" ".join(tokenize(c)) for c in im.captions] for im in kept],
+        [[" ".join(model.vocab.tokenize(c)) for c in im.captions] for im in kept],  # its tokens
         k,
     )
 

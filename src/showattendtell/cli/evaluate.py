@@ -3,7 +3,9 @@
 The last line of standard output is one JSON object keyed by the toolkit's metric names
 (``Bleu_1`` ... ``Bleu_4``, ``METEOR``, ``ROUGE_L``, ``CIDEr``, and ``SPICE`` when it can run),
 with ``repeated_bigram_captions`` (the share of captions that repeat a word bigram) and
-``mean_words``;
+``mean_words``. A model of another tokenizer than English PTB (``--data.tokenizer unicode``) is
+scored on its own tokens without METEOR and SPICE (English-only; one line on standard error says
+so), and the JSON names its ``tokenizer``;
 everything else (counts, timings, where the captions went) goes to standard error. The generated
 captions are written in the COCO results format, ``[{"image_id": ..., "caption": ...}, ...]``:
 ``image_id`` is the COCO id (an int) for COCO, the image file name (a string) for Flickr.
@@ -43,6 +45,7 @@ from showattendtell.cli.evaluate_captions import (
 )
 from showattendtell.data.datasets import check_split_name, list_datasets, split_names
 from showattendtell.errors import sigterm_as_ctrl_c
+from showattendtell.network.tokenizers import DEFAULT_TOKENIZER, get_tokenizer
 from showattendtell.search.options import DecodingConfig
 
 log = logging.getLogger(__name__)
@@ -63,7 +66,8 @@ def add_parser(sub) -> None:
         required=True,
         choices=list_datasets(),
         help="coco (official files, or Karpathy's split with dataset_coco.json), "
-        "flickr8k (original release files), karpathy (dataset_*.json)",
+        "flickr8k (original release files), karpathy (dataset_*.json), captions (a folder "
+        "of photos and a captions.csv or captions.jsonl)",
     )
     p.add_argument("--root", required=True, help="the dataset folder (see data/README.md)")
     p.add_argument(
@@ -71,6 +75,14 @@ def add_parser(sub) -> None:
         default="test",
         help="split to evaluate (default test; flickr8k: train/dev/test; coco without "
         "Karpathy's split: train/val)",
+    )
+    p.add_argument(
+        "--split-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="--dataset captions without a split column: the training share the model was "
+        "trained with (--data.split_ratio; default 0.8), which decides the val and test photos",
     )
     p.add_argument(
         "--output",
@@ -116,11 +128,6 @@ def run(args: argparse.Namespace) -> int:
     check_split_name("--split", args.dataset, args.root, args.split)
     decoding = decoding_overrides(args)
     output = _output_path(args)
-    # say so before spending minutes on captioning
-    require_java(
-        "sat evaluate scores with the official COCO caption toolkit, whose PTB tokenizer "
-        "and METEOR need Java"
-    )
     split, images = _split_images(args)
     # a partly present split is scored on the images present (the loader warned with the count)
     instances = None
@@ -135,6 +142,13 @@ def run(args: argparse.Namespace) -> int:
         if partial is not None:
             partial.hold()
         captioner = load_model(args.model, args.device, args.precision)
+        # said before spending minutes on captioning: English models are scored with the
+        # official toolkit (Java); others on their own tokens (metrics.score_captions)
+        if get_tokenizer(_tokenizer(captioner)).english:
+            require_java(
+                "sat evaluate scores with the official COCO caption toolkit, whose PTB "
+                "tokenizer and METEOR need Java"
+            )
         warn_ignored_decoding(decoding, captioner)
         config = captioner.check_decoding(**decoding)  # the overrides, resolved once
         if partial is None:  # the default name, from the model's: checked before captioning too
@@ -170,7 +184,17 @@ def run(args: argparse.Namespace) -> int:
     finally:
         partial.close()
     made.add(new)
-    return _finish(args, split, images, made, output, partial, time.perf_counter() - t0, instances)
+    elapsed = time.perf_counter() - t0
+    return _finish(
+        args, split, images, made, output, partial, elapsed, instances, _tokenizer(captioner)
+    )
+
+
+def _tokenizer(captioner) -> str:
+    """The tokenizer of the model's vocabulary (network/tokenizers.py), which its captions are
+    scored with."""
+    vocab = getattr(captioner.model, "vocab", None)
+    return getattr(vocab, "tokenizer", DEFAULT_TOKENIZER)
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
@@ -188,6 +212,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
             "dataset_coco.json): Flickr8k has no COCO instance annotations"
         )
     check_dataset_root("--root", args.root, args.dataset)
+    if args.split_ratio is not None:
+        from showattendtell.data.datasets import check_split_ratio_taken
+        from showattendtell.data.own_captions import check_split_ratio
+
+        check_split_ratio_taken(args.dataset, "--split-ratio")
+        check_split_ratio(args.split_ratio, "--split-ratio")
 
 
 def _finish(
@@ -199,11 +229,12 @@ def _finish(
     partial: PartialCaptions,
     elapsed: float,
     instances,
+    tokenizer: str = DEFAULT_TOKENIZER,
 ) -> int:
     """Write the results, then score them: the scores JSON on standard output, the rest on
     standard error. The partial captions go once the results file holds them all."""
     from showattendtell.captioning.captioner import finite_or_none
-    from showattendtell.evaluation.metrics import repetition, score_captions
+    from showattendtell.evaluation.metrics import repetition, score_captions, skipped_metrics
 
     captions = {
         im.image_id: made.captions[im.image_id] for im in images if im.image_id in made.captions
@@ -223,13 +254,23 @@ def _finish(
     # Java), --resume scores them without captioning a photo again.
     try:
         with sigterm_as_ctrl_c():
-            scores = score_captions(captions, references, official=True, spice=not args.no_spice)
+            scores = score_captions(
+                captions,
+                references,
+                official=True,
+                spice=not args.no_spice,
+                tokenizer=tokenizer,
+            )
     except KeyboardInterrupt as e:
         return partial.interrupted(e, len(captions), len(images), args, scoring=True)
     if not unwritten:
         partial.remove()
     out = {k: finite_or_none(v, 6) for k, v in scores.items()}
-    out.update({k: round(v, 4) for k, v in repetition(captions).items()})
+    out.update({k: round(v, 4) for k, v in repetition(captions, tokenizer).items()})
+    skipped = skipped_metrics(tokenizer)
+    if skipped:
+        out["tokenizer"] = tokenizer
+        print(skipped, file=sys.stderr)
     print(
         f"{out['repeated_bigram_captions']:.1%} of the captions repeat a word bigram; "
         f"{out['mean_words']:.1f} words a caption",
@@ -349,7 +390,7 @@ def _split_images(args: argparse.Namespace) -> tuple:
     MissingImagesError (exit status 1: the data is missing, not the command wrong)."""
     from showattendtell.data.datasets import load_split
 
-    split = load_split(args.dataset, args.root, args.split)
+    split = load_split(args.dataset, args.root, args.split, args.split_ratio)
     if not split.num_annotated:
         others = [n for n in split_names(args.dataset, Path(args.root)) if n != args.split]
         raise EvaluateError(

@@ -35,6 +35,7 @@ from showattendtell.data.datasets import list_datasets
 from showattendtell.errors import UsageError, UserError
 from showattendtell.model_file import ModelFileError
 from showattendtell.network.encoder import list_backbones
+from showattendtell.network.tokenizers import list_tokenizers
 from showattendtell.outputs import prepare_folder
 from showattendtell.torch_files import TorchFileError, read_torch_file
 from showattendtell.training.checkpoint_io import SafeCheckpointIO
@@ -203,6 +204,8 @@ class SatCLI(LightningCLI):
         # the training captions.
         parser.link_arguments("model.encoder", "data.encoder", apply_on="parse")
         parser.link_arguments("data.vocab_words", "model.vocab", apply_on="instantiate")
+        # ... split by the data's tokenizer, which the model stores (its captions are joined so)
+        parser.link_arguments("data.tokenizer", "model.tokenizer", apply_on="parse")
         # a config file's base (config_files.py): build_cli already put it before the file
         parser.add_argument(
             f"--{BASE_KEY}",
@@ -385,10 +388,12 @@ def _quiet_library_advice() -> None:
 
 
 def registered() -> str:
-    """--help's last lines: the registered backbones and datasets (each registry's names)."""
+    """--help's last lines: the registered backbones, datasets and tokenizers (each registry's
+    names)."""
     return (
         f"backbones (--model.encoder.backbone): {', '.join(list_backbones())}. "
-        f"datasets (--data.dataset): {', '.join(list_datasets())}."
+        f"datasets (--data.dataset): {', '.join(list_datasets())}. "
+        f"tokenizers (--data.tokenizer): {', '.join(list_tokenizers())}."
     )
 
 

@@ -11,9 +11,16 @@ import re
 import shlex
 from pathlib import Path
 
-from showattendtell.data.datasets import check_split_name, folder_hint, list_datasets
+from showattendtell.data.datasets import (
+    check_split_name,
+    check_split_ratio_taken,
+    folder_hint,
+    list_datasets,
+)
+from showattendtell.data.own_captions import check_split_ratio
 from showattendtell.errors import UsageError
 from showattendtell.evaluation.metrics import VALIDATION_SCORES
+from showattendtell.network.tokenizers import DEFAULT_TOKENIZER, TokenizerError, get_tokenizer
 
 
 def check_config_files(args: list[str]) -> None:
@@ -106,6 +113,13 @@ def check_data_settings(data) -> None:
         value = data.get(name)
         if value is not None and value < 0:
             raise UsageError(f"--data.{name} {value}: must be 0 (no extra processes) or more")
+    try:
+        get_tokenizer(data.get("tokenizer") or DEFAULT_TOKENIZER)
+    except TokenizerError as e:
+        raise TokenizerError(f"--data.tokenizer: {e}") from None
+    if data.get("split_ratio") is not None and data.get("dataset") in list_datasets():
+        check_split_ratio_taken(data["dataset"])
+        check_split_ratio(data["split_ratio"])
     root = data.get("root")
     if root:
         check_dataset_root("--data.root", root, data.get("dataset"))

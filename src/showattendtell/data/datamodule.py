@@ -17,6 +17,7 @@ from showattendtell.data.person_masks import PersonMasks, read_person_masks
 from showattendtell.evaluation.attention_correctness import category_words
 from showattendtell.images.files import load_image
 from showattendtell.network.encoder import Encoder, EncoderConfig
+from showattendtell.network.tokenizers import DEFAULT_TOKENIZER, TokenizerError
 from showattendtell.network.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -150,10 +151,11 @@ def collate_captions(items):
 
 
 class CaptionDataModule(L.LightningDataModule):
-    """COCO / Flickr8k / Karpathy-format captions for training and validation.
+    """COCO / Flickr8k / Karpathy-format captions, or your own, for training and validation.
 
     Args:
-        dataset: flickr8k (original release files), karpathy (dataset_*.json) or coco.
+        dataset: flickr8k (original release files), karpathy (dataset_*.json), coco, or
+            captions (a folder of photos and a captions.csv or captions.jsonl: own_captions.py).
         root: the dataset folder (see data/README.md).
         train_split / val_split: split names of that dataset (flickr8k: train/dev/test;
             karpathy and coco with dataset_coco.json: train, train+restval, val, test).
@@ -170,6 +172,12 @@ class CaptionDataModule(L.LightningDataModule):
             device, ``pipeline.default_workers``).
         person_masks: the training photos' person-mask file (``scripts/label_person_masks.py``):
             training batches then carry the targets of ``model.objective.grounding``.
+        tokenizer: how captions are split into the vocabulary's words (network/tokenizers.py):
+            ptb (English, as the COCO toolkit does) or unicode (other languages: words of any
+            script, each character of Chinese, Japanese, Thai and other scripts written
+            without spaces). The model stores it, so its captions are joined the same way.
+        split_ratio: the training share of the photos for the captions dataset when its file
+            has no split column (null: 0.8); the rest is halved into val and test.
     """
 
     def __init__(
@@ -190,6 +198,8 @@ class CaptionDataModule(L.LightningDataModule):
         extract_batch_size: int = 32,
         extract_workers: int | None = None,
         person_masks: str | None = None,
+        tokenizer: str = DEFAULT_TOKENIZER,
+        split_ratio: float | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["encoder"])
@@ -209,18 +219,26 @@ class CaptionDataModule(L.LightningDataModule):
 
     def split(self, name: str) -> Split:
         if name not in self._splits:
-            self._splits[name] = load_split(self.hparams.dataset, self.hparams.root, name)
+            h = self.hparams
+            self._splits[name] = load_split(h.dataset, h.root, name, h.split_ratio)
         return self._splits[name]
 
     @property
     def vocab(self) -> Vocabulary:
         if self._vocab is None:
-            if self.hparams.vocab_file:
-                self._vocab = Vocabulary.load(self.hparams.vocab_file)
+            h = self.hparams
+            if h.vocab_file:
+                words = Vocabulary.load(h.vocab_file)
+                if words.tokenizer not in (DEFAULT_TOKENIZER, h.tokenizer):
+                    raise TokenizerError(
+                        f"--data.vocab_file {h.vocab_file} was made with the {words.tokenizer} "
+                        f"tokenizer: train with --data.tokenizer {words.tokenizer}"
+                    )
+                self._vocab = Vocabulary(words.itos, h.tokenizer)
             else:
-                train = self.split(self.hparams.train_split).images
+                train = self.split(h.train_split).images
                 caps = (c for im in train for c in im.captions)
-                self._vocab = Vocabulary.build(caps, self.hparams.min_word_count)
+                self._vocab = Vocabulary.build(caps, h.min_word_count, h.tokenizer)
         return self._vocab
 
     @property

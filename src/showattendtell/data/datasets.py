@@ -1,4 +1,5 @@
-"""Readers for the caption datasets in their published formats.
+"""Readers for the caption datasets in their published formats, and for your own (a folder of
+photos and a captions file: own_captions.py).
 
 Every reader returns the split as a list of ``CaptionedImage`` whose files exist; annotations
 whose image file is missing are skipped and counted (one summary warning, never a crash).
@@ -15,86 +16,27 @@ import logging
 import re
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from showattendtell.errors import UsageError, UserError
+from showattendtell.data.own_captions import (
+    CSV_NAME,
+    HOW,
+    JSONL_NAME,
+    captions_split_names,
+    load_own_captions,
+)
+from showattendtell.data.splits import (  # noqa: F401 - the readers' types, used from here
+    CaptionedImage,
+    DatasetError,
+    MissingImagesError,
+    Split,
+    SplitError,
+    finish_split,
+    read_text,
+)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CaptionedImage:
-    image_id: str  # unique within the dataset: the file name (Flickr) or the COCO id
-    path: Path
-    captions: list[str]
-    coco_id: int | None = None
-
-
-@dataclass
-class Split:
-    """The images of a split whose files exist, plus the annotated ones that are absent.
-
-    ``len(images) + len(missing)`` is the size of the split as published (Flickr8k: 6000 /
-    1000 / 1000), whatever part of it is on disk.
-    """
-
-    name: str
-    images: list[CaptionedImage]
-    missing: list[Path] = field(default_factory=list)  # annotated images whose file is absent
-    image_dir: Path | None = None  # where the images were looked for (for error messages)
-    missing_captions: int = 0
-
-    @property
-    def num_captions(self) -> int:
-        return sum(len(im.captions) for im in self.images)
-
-    @property
-    def num_annotated(self) -> int:
-        """Images the annotations list for this split, present or not."""
-        return len(self.images) + len(self.missing)
-
-    def require_images(self) -> None:
-        """Raise MissingImagesError when none of the split's images is on disk.
-
-        Training and evaluation can work on the part that is present (with the summary
-        warning); a split with no image at all is a layout mistake or withheld data.
-        """
-        if not self.images:
-            where = self.image_dir or "the dataset folder"
-            raise MissingImagesError(
-                f"{self.name}: none of its {len(self.missing)} images is in {where} "
-                f"({len(self.missing)} missing); put the image files there (see data/README.md)"
-            )
-
-
-class DatasetError(UserError, ValueError):
-    """The dataset folder is not laid out as expected; the message says what to do."""
-
-
-class SplitError(UsageError, ValueError):
-    """A split name the dataset in a folder does not have (a usage error: exit status 2)."""
-
-
-class MissingImagesError(DatasetError):
-    """A split was asked for whose image files are absent (e.g. withheld test images)."""
-
-
-def _finish(name: str, candidates: list[CaptionedImage], where: Path) -> Split:
-    present, missing = [], []
-    for im in candidates:
-        (present if im.path.is_file() else missing).append(im)
-    n_caps = sum(len(im.captions) for im in missing)
-    if missing:
-        log.warning(
-            "%s: skipped %d of %d annotated images (%d captions) whose files are not in %s",
-            name,
-            len(missing),
-            len(candidates),
-            n_caps,
-            where,
-        )
-    return Split(name, present, [im.path for im in missing], Path(where), n_caps)
 
 
 # -- Flickr8k, original release ---------------------------------------------------------------
@@ -125,23 +67,10 @@ def load_flickr8k(root: str | Path, split: str) -> Split:
         if not f.is_file():
             raise DatasetError(f"{f} not found: see data/README.md for the Flickr8k layout")
     captions = _read_flickr_tokens(token_file)
-    names = [n.strip() for n in _read_text(split_file).splitlines() if n.strip()]
+    names = [n.strip() for n in read_text(split_file).splitlines() if n.strip()]
     image_dir = _find_flickr_images(root)
     items = [CaptionedImage(n, image_dir / n, captions[n]) for n in names if captions.get(n)]
-    return _finish(f"flickr8k/{split}", items, image_dir)
-
-
-def _read_text(path: Path) -> str:
-    """The UTF-8 text of a dataset file; DatasetError with the line of the first bad byte."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise DatasetError(
-            f"{path} is not UTF-8 text (byte {data[e.start]:#04x} on line {line}): "
-            "re-download it or save it as UTF-8"
-        ) from None
+    return finish_split(f"flickr8k/{split}", items, image_dir)
 
 
 _TOKEN_LINE = re.compile(r"(?P<name>[^\t]+)#\d+\t(?P<caption>[^\t]*)")
@@ -153,7 +82,7 @@ def _read_flickr_tokens(token_file: Path) -> dict[str, list[str]]:
     not a caption would distort training and BLEU; one warning says how many and where."""
     captions: dict[str, list[str]] = defaultdict(list)
     bad: list[int] = []
-    for number, line in enumerate(_read_text(token_file).splitlines(), 1):
+    for number, line in enumerate(read_text(token_file).splitlines(), 1):
         m = _TOKEN_LINE.fullmatch(line.rstrip("\r"))
         if m and m["caption"].strip():
             captions[m["name"].strip()].append(m["caption"].strip())
@@ -220,14 +149,14 @@ def load_karpathy(
         key = str(im.get("cocoid", im["filename"]))
         caps = [s["raw"].strip() for s in im["sentences"]]
         items.append(CaptionedImage(key, path, caps, im.get("cocoid")))
-    return _finish(f"{json_path.name}/{split}", items, base)
+    return finish_split(f"{json_path.name}/{split}", items, base)
 
 
 def _karpathy_entries(json_path: Path) -> list[dict]:
     """The ``images`` of a Karpathy split file, each checked for the fields the reader uses,
     so a damaged or foreign file is one DatasetError naming the first bad entry."""
     try:
-        data = json.loads(_read_text(json_path))
+        data = json.loads(read_text(json_path))
     except json.JSONDecodeError as e:
         raise DatasetError(f"{json_path} is not JSON ({e}): re-download it") from None
     entries = data.get("images") if isinstance(data, dict) else None
@@ -333,7 +262,7 @@ def load_coco(root: str | Path, split: str) -> Split:
         items = _coco_items(coco, image_dir)
     except _MALFORMED as e:
         raise _coco_error(ann_file, e) from None
-    return _finish(f"coco/{ann_file.name}", items, image_dir)
+    return finish_split(f"coco/{ann_file.name}", items, image_dir)
 
 
 # what pycocotools and the reader raise on a file that is not a COCO caption file
@@ -378,6 +307,8 @@ class DatasetFormat:
     download: str = ""  # the command that downloads it into {root}, if `sat data` does
     describe: Callable[[Path], str] | None = None  # how a split error names it (default: name)
     split_hint: Callable[[Path, list[str]], str] | None = None  # why a split is not there
+    # whether ``load`` takes ``split_ratio`` (a format whose file may name no splits)
+    takes_split_ratio: bool = False
 
 
 _DATASETS: dict[str, DatasetFormat] = {}
@@ -404,13 +335,29 @@ def list_datasets() -> list[str]:
     return list(_DATASETS)
 
 
-def load_split(dataset: str, root: str | Path, split: str) -> Split:
-    """The split ``split`` of the dataset ``dataset`` (a registered format) in ``root``."""
+def load_split(
+    dataset: str, root: str | Path, split: str, split_ratio: float | None = None
+) -> Split:
+    """The split ``split`` of the dataset ``dataset`` (a registered format) in ``root``;
+    ``split_ratio`` (the training share) for a format whose files may name no splits."""
     fmt = get_dataset(dataset)
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(f"dataset folder {root} does not exist: see data/README.md")
-    return fmt.load(root, split)
+    if split_ratio is None:
+        return fmt.load(root, split)
+    check_split_ratio_taken(dataset)
+    return fmt.load(root, split, split_ratio=split_ratio)
+
+
+def check_split_ratio_taken(dataset: str, option: str = "--data.split_ratio") -> None:
+    """A split ratio for a dataset whose files name its splits is a usage error."""
+    if not get_dataset(dataset).takes_split_ratio:
+        takers = [n for n, f in _DATASETS.items() if f.takes_split_ratio]
+        raise SplitError(
+            f"{option}: {dataset} names its own splits; a split ratio is for "
+            f"{' and '.join(takers)} (drop the option)"
+        )
 
 
 def check_split_name(option: str, dataset: str, root: str | Path, split: str) -> None:
@@ -490,5 +437,16 @@ register_dataset(
         download="sat data coco --root {root}",
         describe=_coco_shown,
         split_hint=_coco_hint,
+    )
+)
+register_dataset(
+    DatasetFormat(
+        "captions",
+        load_own_captions,
+        captions_split_names,
+        f"a folder of photos and their {CSV_NAME} (columns image,caption and optionally split) "
+        f"or {JSONL_NAME} ({HOW})",
+        describe=lambda root: "the captions file",
+        takes_split_ratio=True,
     )
 )

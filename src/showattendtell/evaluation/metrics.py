@@ -4,6 +4,11 @@
 CIDEr-D (and SPICE when its Stanford CoreNLP models are installed); it needs Java.
 ``official=False`` (validation during training) tokenises in Python the same way (lower case,
 punctuation removed) and computes the Java-free metrics: BLEU-1..4, ROUGE-L and CIDEr-D.
+
+A model of another tokenizer than English PTB (``--data.tokenizer unicode``: tokenizers.py) is
+scored on that tokenizer's own tokens (for Japanese, characters), without Java: BLEU-1..4,
+ROUGE-L and CIDEr-D. METEOR and SPICE are English-only (WordNet synonyms, English stems and
+parses) and are left out, which ``skipped_metrics`` says in one line.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from showattendtell.errors import UserError
-from showattendtell.network.vocab import tokenize
+from showattendtell.network.tokenizers import DEFAULT_TOKENIZER, get_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +109,28 @@ def _ptb_tokenize(captions: dict[str, list[str]]) -> dict[str, list[str]]:
 VALIDATION_SCORES = {"bleu1": "Bleu_1", "bleu4": "Bleu_4", "rouge_l": "ROUGE_L", "cider": "CIDEr"}
 
 
+def skipped_metrics(tokenizer: str) -> str | None:
+    """The line that says which metrics ``score_captions`` leaves out for captions of
+    ``tokenizer``, and why (None: none)."""
+    if get_tokenizer(tokenizer).english:
+        return None
+    return (
+        f"METEOR and SPICE skipped: they are English-only; BLEU, ROUGE-L and CIDEr-D are "
+        f"computed on the {tokenizer} tokenizer's tokens"
+    )
+
+
 def score_captions(
     predictions: dict[str, str],
     references: dict[str, list[str]],
     official: bool = True,
     spice: bool = True,
+    tokenizer: str = DEFAULT_TOKENIZER,
 ) -> dict[str, float]:
-    """Corpus-level scores of one predicted caption per image against its references."""
+    """Corpus-level scores of one predicted caption per image against its references.
+
+    ``tokenizer``: the model's (its vocabulary's). For one that is not English PTB, captions
+    are scored on its tokens with the Java-free metrics, ``official`` or not."""
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
     from pycocoevalcap.rouge.rouge import Rouge
@@ -121,13 +141,16 @@ def score_captions(
     if not predictions:
         raise ValueError("no captions to score")
     keys = list(predictions)
+    split = get_tokenizer(tokenizer)
+    if not split.english:
+        official = False
     if official:
         require_java("the official COCO metrics (PTB tokenizer, METEOR) need Java")
         res = _ptb_tokenize({k: [predictions[k]] for k in keys})
         gts = _ptb_tokenize({k: references[k] for k in keys})
     else:
-        res = {k: [" ".join(tokenize(predictions[k]))] for k in keys}
-        gts = {k: [" ".join(tokenize(r)) for r in references[k]] for k in keys}
+        res = {k: [" ".join(split.tokenize(predictions[k]))] for k in keys}
+        gts = {k: [" ".join(split.tokenize(r)) for r in references[k]] for k in keys}
 
     # each scorer's compute_score, with the name(s) of what it returns
     scorers: list[tuple[Callable, list[str] | str]] = [
@@ -163,13 +186,14 @@ def score_captions(
     return scores
 
 
-def repetition(captions: dict[str, str]) -> dict[str, float]:
+def repetition(captions: dict[str, str], tokenizer: str = DEFAULT_TOKENIZER) -> dict[str, float]:
     """How often captions repeat themselves ("at a table at a table"): the share of captions in
-    which some word bigram occurs twice, and the mean caption length in words. A generated
-    caption is lower-case words separated by spaces (what the decoder emits)."""
+    which some word bigram occurs twice, and the mean caption length in words: the tokens of
+    ``tokenizer`` (the model's), which for English are the words separated by spaces."""
+    split = get_tokenizer(tokenizer)
     repeated, words = 0, 0
     for caption in captions.values():
-        w = caption.split()
+        w = caption.split() if split.english else split.tokenize(caption)
         bigrams = list(zip(w, w[1:], strict=False))
         repeated += len(set(bigrams)) < len(bigrams)
         words += len(w)

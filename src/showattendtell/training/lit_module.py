@@ -18,6 +18,7 @@ from showattendtell.model import CaptionModel
 from showattendtell.model_file import ModelFileError, read_model
 from showattendtell.network.decoder import DecoderConfig
 from showattendtell.network.encoder import EncoderConfig
+from showattendtell.network.tokenizers import DEFAULT_TOKENIZER
 from showattendtell.network.vocab import PAD, Vocabulary
 from showattendtell.search.decoding import DecodingConfig
 from showattendtell.torch_files import TorchFileError, read_torch_file
@@ -203,6 +204,8 @@ class CaptionModule(L.LightningModule):
             decoder's small kernels one by one is what takes the time there). Used for the
             maximum-likelihood objective without grounding, on a single device; anything
             else runs as before.
+        tokenizer: the tokenizer of ``vocab``'s words (the CLI links it from the DataModule);
+            the exported model stores it. Checkpoints without it are ``ptb``.
     """
 
     def __init__(
@@ -215,6 +218,7 @@ class CaptionModule(L.LightningModule):
         val_decoding: DecodingConfig | None = None,
         init_from: str | None = None,
         cuda_graphs: bool = True,
+        tokenizer: str = DEFAULT_TOKENIZER,
     ):
         super().__init__()
         # load_from_checkpoint passes the saved hyperparameters back as plain dicts
@@ -236,9 +240,10 @@ class CaptionModule(L.LightningModule):
                 "val_decoding": asdict(self.val_decoding),
                 "init_from": init_from,
                 "cuda_graphs": cuda_graphs,
+                "tokenizer": tokenizer,
             }
         )
-        self.model = CaptionModel(Vocabulary(vocab), encoder, decoder)
+        self.model = CaptionModel(Vocabulary(vocab, tokenizer), encoder, decoder)
         self._val_predictions: dict[str, str] = {}
 
     def setup(self, stage: str) -> None:
@@ -271,9 +276,15 @@ class CaptionModule(L.LightningModule):
                 "model.objective.grounding.weight > 0 needs the photos' person masks: set "
                 "data.person_masks to the file of scripts/label_person_masks.py"
             )
+        if self.objective_cfg.self_critical_meteor and not self.model.vocab.english:
+            raise TrainingConfigError(
+                "model.objective.self_critical_meteor needs English captions (METEOR is "
+                f"English-only; this run's tokenizer is {self.model.vocab.tokenizer}): set it to 0"
+            )
         if hasattr(self.objective, "set_references"):  # self-critical: the training references
             self.objective.set_references(
-                [im.captions for im in self.trainer.datamodule.train_set.images]
+                [im.captions for im in self.trainer.datamodule.train_set.images],
+                self.model.vocab.tokenize,
             )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -361,7 +372,7 @@ class CaptionModule(L.LightningModule):
         if not preds:
             return
         refs = self.trainer.datamodule.references()
-        scores = score_captions(preds, refs, official=False)
+        scores = score_captions(preds, refs, official=False, tokenizer=self.model.vocab.tokenizer)
         # every rank gathered the same predictions, so every rank logs the same values (which
         # ModelCheckpoint and EarlyStopping monitor)
         for key, name in VALIDATION_SCORES.items():

@@ -19,6 +19,7 @@ where the photo's person mask lies (Liu et al., AAAI 2017).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -362,9 +363,12 @@ class SelfCritical(Objective):
         self.references: list[list[str]] = []
         self.cider = self.meteor = None
 
-    def set_references(self, captions: list[list[str]]) -> None:
-        """The references of every training image, in the training split's order."""
-        self.references = [[" ".join(tokenize(c)) for c in caps] for caps in captions]
+    def set_references(
+        self, captions: list[list[str]], split: Callable[[str], list[str]] = tokenize
+    ) -> None:
+        """The references of every training image, in the training split's order, as the
+        model's tokenizer splits them (``split``; default English PTB)."""
+        self.references = [[" ".join(split(c)) for c in caps] for caps in captions]
         self.cider = CiderDReward(self.references)
         self.meteor = MeteorReward() if self.meteor_weight else None
 
