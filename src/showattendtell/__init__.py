@@ -1,6 +1,6 @@
 """Show, Attend and Tell: image captioning with soft and hard visual attention."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["CaptionResult", "Captioner", "caption_images", "load_model"]
 
 

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def version_line() -> str:
-    """'sat 0.1.0 (torch 2.5.1+cpu, Python 3.11.7)': what a bug report needs, read from the
+    """'sat 0.2.0 (torch 2.5.1+cpu, Python 3.11.7)': what a bug report needs, read from the
     installed packages' metadata without importing torch (``--help`` stays fast)."""
     import platform
     from importlib import metadata
