@@ -20,6 +20,7 @@ RANKS = {
     "progress": 0,
     "outputs": 0,
     "torch_files": 0,
+    "registry": 0,
     "kernels": 1,
     "network": 2,
     "search": 3,

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from showattendtell.outputs import OutputError, printable_path
+from showattendtell.registry import Registry
 from showattendtell.search.options import DECODING_OPTIONS
 
 if TYPE_CHECKING:
@@ -99,24 +100,18 @@ class OutputFormat:
     header: Callable[[tuple[str, ...]], str] | None = None  # the first line of a new file
 
 
-_FORMATS: dict[str, OutputFormat] = {}
+_FORMATS: Registry[OutputFormat] = Registry(
+    "output format",
+    lambda name, names: OutputError(f"--format must be one of {', '.join(names)}, not {name!r}"),
+)
+get_output_format = _FORMATS.find  # the format, or an OutputError (exit status 2) naming them all
 
 
 def register_output_format(fmt: OutputFormat) -> OutputFormat:
-    if fmt.name in _FORMATS or any(f.suffix == fmt.suffix for f in _FORMATS.values()):
-        raise ValueError(f"output format {fmt.name!r} or suffix {fmt.suffix} already registered")
-    _FORMATS[fmt.name] = fmt
-    return fmt
-
-
-def get_output_format(name: str) -> OutputFormat:
-    """The registered format ``name``, or an OutputError (exit status 2) naming them all."""
-    try:
-        return _FORMATS[name]
-    except (KeyError, TypeError):
-        raise OutputError(
-            f"--format must be one of {', '.join(list_output_formats())}, not {name!r}"
-        ) from None
+    """A format of its own suffix too: ``output_format`` tells formats apart by suffix."""
+    if any(f.suffix == fmt.suffix for f in _FORMATS.values()):
+        raise ValueError(f"output format {fmt.name!r}: suffix {fmt.suffix} already registered")
+    return _FORMATS.register(fmt)
 
 
 def list_output_formats() -> list[str]:

@@ -35,6 +35,7 @@ from showattendtell.data.splits import (  # noqa: F401 - the readers' types, use
     finish_split,
     read_text,
 )
+from showattendtell.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -311,24 +312,12 @@ class DatasetFormat:
     takes_split_ratio: bool = False
 
 
-_DATASETS: dict[str, DatasetFormat] = {}
-
-
-def register_dataset(fmt: DatasetFormat) -> DatasetFormat:
-    if fmt.name in _DATASETS:
-        raise ValueError(f"dataset {fmt.name!r} is already registered")
-    _DATASETS[fmt.name] = fmt
-    return fmt
-
-
-def get_dataset(name: str) -> DatasetFormat:
-    """The registered format ``name``, or a DatasetError listing the registered ones."""
-    try:
-        return _DATASETS[name]
-    except (KeyError, TypeError):
-        raise DatasetError(
-            f"unknown dataset {name!r}; choose one of {', '.join(list_datasets())}"
-        ) from None
+_DATASETS: Registry[DatasetFormat] = Registry(
+    "dataset",
+    lambda name, names: DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(names)}"),
+)
+register_dataset = _DATASETS.register
+get_dataset = _DATASETS.find  # the format, or a DatasetError listing the registered ones
 
 
 def list_datasets() -> list[str]:

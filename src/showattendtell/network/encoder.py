@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from showattendtell.errors import UsageError, UserError
+from showattendtell.registry import Registry
 from showattendtell.torch_files import TorchFileError, read_torch_file
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -64,25 +65,14 @@ class UnknownBackbone(UsageError, ValueError):
     """A backbone name that is not registered; the message lists the registered ones."""
 
 
-_BACKBONES: dict[str, Backbone] = {}
-
-
-def register_backbone(backbone: Backbone) -> Backbone:
-    """Add a backbone to the registry (a name registered twice is a programming error)."""
-    if backbone.name in _BACKBONES:
-        raise ValueError(f"backbone {backbone.name!r} is already registered")
-    _BACKBONES[backbone.name] = backbone
-    return backbone
-
-
-def get_backbone(name: str) -> Backbone:
-    """The registered backbone ``name``, or UnknownBackbone naming every registered one."""
-    try:
-        return _BACKBONES[name]
-    except (KeyError, TypeError):
-        raise UnknownBackbone(
-            f"unknown backbone {name!r}; choose one of {', '.join(list_backbones())}"
-        ) from None
+_BACKBONES: Registry[Backbone] = Registry(
+    "backbone",
+    lambda name, names: UnknownBackbone(
+        f"unknown backbone {name!r}; choose one of {', '.join(names)}"
+    ),
+)
+register_backbone = _BACKBONES.register
+get_backbone = _BACKBONES.find  # the backbone, or UnknownBackbone naming every registered one
 
 
 def list_backbones(family: str | None = None) -> list[str]:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from showattendtell.errors import UsageError
+from showattendtell.registry import Registry
 
 DEFAULT_TOKENIZER = "ptb"
 
@@ -72,24 +73,14 @@ class Tokenizer:
     english: bool = False
 
 
-_TOKENIZERS: dict[str, Tokenizer] = {}
-
-
-def register_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
-    if tokenizer.name in _TOKENIZERS:
-        raise ValueError(f"tokenizer {tokenizer.name!r} is already registered")
-    _TOKENIZERS[tokenizer.name] = tokenizer
-    return tokenizer
-
-
-def get_tokenizer(name: str) -> Tokenizer:
-    """The registered tokenizer ``name``, or a TokenizerError listing the registered ones."""
-    try:
-        return _TOKENIZERS[name]
-    except (KeyError, TypeError):
-        raise TokenizerError(
-            f"unknown tokenizer {name!r}: choose one of {', '.join(list_tokenizers())}"
-        ) from None
+_TOKENIZERS: Registry[Tokenizer] = Registry(
+    "tokenizer",
+    lambda name, names: TokenizerError(
+        f"unknown tokenizer {name!r}: choose one of {', '.join(names)}"
+    ),
+)
+register_tokenizer = _TOKENIZERS.register
+get_tokenizer = _TOKENIZERS.find  # the tokenizer, or a TokenizerError listing the registered ones
 
 
 def list_tokenizers() -> list[str]:
