@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SHARED
+from helpers.data import ROOT, SHARED
 from helpers.photos import link_photos
 from helpers.processes import start_sat
 

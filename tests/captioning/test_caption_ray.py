@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers.data import ROOT
 from helpers.photos import write_photos
 from helpers.processes import start_sat
 

@@ -190,7 +190,7 @@ SENSIBLE_WORDS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("model_file", bundled_models(), ids=lambda p: p.stem)
 def test_bundled_models_caption_real_photos_sensibly(model_file):
-    from conftest import COCO_SUBSET
+    from helpers.data import COCO_SUBSET
 
     photos = [COCO_SUBSET / "images" / name for name in SENSIBLE_WORDS]
     if not all(p.is_file() for p in photos):

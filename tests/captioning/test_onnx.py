@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import COCO_SUBSET, needs_coco_subset
+from helpers.data import COCO_SUBSET, needs_coco_subset
 from helpers.photos import write_photos
 
 from showattendtell.captioning.captioner import Captioner, DeviceError, load_model

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import SHARED
+from helpers.data import SHARED
 
 from showattendtell.cli.main import main
 from showattendtell.evaluation import metrics

@@ -7,7 +7,7 @@ import logging
 import shutil
 
 import pytest
-from conftest import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k
+from helpers.data import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k
 
 from showattendtell.data.datasets import (
     DatasetError,

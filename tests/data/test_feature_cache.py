@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, write_flickr8k_folder
+from helpers.data import ROOT, write_flickr8k_folder
 
 from showattendtell.cli.main import main
 from showattendtell.data.datamodule import CaptionDataModule

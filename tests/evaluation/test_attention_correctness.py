@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import COCO_SUBSET, SHARED, needs_coco_subset
+from helpers.data import COCO_SUBSET, SHARED, needs_coco_subset
 from helpers.evaluate import evaluate_argv
 from helpers.marks import needs_java
 

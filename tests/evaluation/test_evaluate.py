@@ -6,7 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import COCO_SUBSET, FLICKR8K, needs_coco_subset, needs_flickr8k, write_flickr8k_folder
+from helpers.data import (
+    COCO_SUBSET,
+    FLICKR8K,
+    needs_coco_subset,
+    needs_flickr8k,
+    write_flickr8k_folder,
+)
 from helpers.evaluate import evaluate_argv
 from helpers.marks import needs_java
 

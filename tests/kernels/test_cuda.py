@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_flickr8k_folder
+from helpers.data import write_flickr8k_folder
 from helpers.marks import needs_cuda
 
 pytestmark = needs_cuda

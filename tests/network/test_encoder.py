@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import RESNET50_CAFFE, needs_resnet50
+from helpers.data import RESNET50_CAFFE, needs_resnet50
 
 from showattendtell.network.encoder import (
     IMAGENET_MEAN,
@@ -102,7 +102,7 @@ def test_bad_weights_files_are_refused(tmp_path):
 def test_shared_caffe_resnet50_classifies_a_real_photo():
     """The v1 stride fix matters: with it the ImageNet head recognises a tennis racket."""
     import torchvision
-    from conftest import COCO_SUBSET
+    from helpers.data import COCO_SUBSET
 
     from showattendtell.images.files import open_image, preprocess
 

@@ -7,7 +7,7 @@ from functools import cache
 import numpy as np
 import pytest
 import torch
-from conftest import COCO_SUBSET, RESNET50_CAFFE, needs_coco_subset, needs_resnet50
+from helpers.data import COCO_SUBSET, RESNET50_CAFFE, needs_coco_subset, needs_resnet50
 from PIL import Image
 
 from showattendtell.images.files import open_image, preprocess

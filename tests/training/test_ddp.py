@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import write_flickr8k_folder
+from helpers.data import write_flickr8k_folder
 from helpers.processes import free_port
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,8 @@ import random
 
 import pytest
 import torch
-from conftest import FLICKR8K, RESNET50_CAFFE, needs_flickr8k, needs_resnet50
 from helpers import encode_captions
+from helpers.data import FLICKR8K, RESNET50_CAFFE, needs_flickr8k, needs_resnet50
 from synthetic import GRID, make_dataset
 
 from showattendtell.network.decoder import Decoder, DecoderConfig
