@@ -537,7 +537,7 @@ def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
         None,
     )
     lines = [f"finished: {trainer.current_epoch} epochs, {trainer.global_step} steps"]
-    if best is not None and best.best_model_path:
+    if best is not None and best.best_model_path and Path(best.best_model_path).is_file():
         score = best.best_model_score
         where = _shown(best.best_model_path)
         lines.append(
@@ -545,6 +545,14 @@ def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
             if score is not None
             else f"best: {where}"
         )
+    elif best is not None and best.best_model_path:
+        # A stop that came while Lightning wrote the best checkpoint: its state names a file
+        # that was never written, and the one before it is still there. Name what is on disk.
+        kept = sorted(
+            Path(best.best_model_path).parent.glob("best-*.ckpt"), key=lambda p: p.stat().st_mtime
+        )
+        if kept:
+            lines.append(f"best: {_shown(kept[-1])} (the best checkpoint kept on disk)")
     # the file Lightning wrote (last-v1.ckpt when a last.ckpt was in the way), not the name
     # asked for; a callback without a monitor keeps it as its best_model_path
     written = (last.last_model_path or last.best_model_path) if last is not None else ""

@@ -275,9 +275,12 @@ def signals(
         "words": [len(h.tokens) for h in best],
     }
     if index is not None and typicality is not None:
-        pooled = annotations.float().mean(1)  # ConsensusIndex.pool
-        scores = index.rerank(pooled, [[c[0]] for c in captions])
-        out["consensus"] = [float(s[0]) for s in scores]
+        if all(h.consensus is not None for h in best):  # reranked: the search's own scores
+            out["consensus"] = [h.consensus for h in best]
+        else:  # each candidate is scored on its own (CIDEr-D against the neighbours' captions)
+            pooled = annotations.float().mean(1)  # ConsensusIndex.pool
+            scores = index.rerank(pooled, [[c[0]] for c in captions])
+            out["consensus"] = [float(s[0]) for s in scores]
         out["typicality"] = typicality
     return {k: np.asarray(v, np.float64) for k, v in out.items()}
 
