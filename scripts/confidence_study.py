@@ -42,7 +42,7 @@ from showattendtell.search import confidence
 from showattendtell.search.confidence import ConfidenceFit, ConfidenceFits
 
 sys.path.insert(0, str(Path(__file__).parent))
-from familiarity_study import auroc, fit_logistic, per_image_cider  # noqa: E402
+from familiarity_study import _save, auroc, fit_logistic, per_image_cider  # noqa: E402
 
 FOLDS = 5
 RECALL_GOAL = 0.5  # the warning reaches at least this share of the bad captions ...
@@ -84,13 +84,6 @@ def caption_set(
             )
         print(f"  {cache.stem}: {n}/{len(images)}", flush=True)
     return {"ids": np.asarray(ids), **{k: np.asarray(v) for k, v in done.items()}}
-
-
-def _save(cache: Path, data: dict[str, np.ndarray]) -> None:
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp.npz")
-    np.savez(tmp, **data)
-    tmp.replace(cache)
 
 
 def evaluation_sets(
