@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from showattendtell.captioning.catalog import resolve_models
 from showattendtell.cli.common import (
     add_decoding_args,
     add_device_args,
@@ -263,6 +264,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a server
     # Every option is checked before the (slow) imports and model loading.
     check_options(args)
+    for spec in args.model or []:  # an unknown model name (ModelNotFound), before the imports
+        resolve_models(spec)
     decoding = decoding_overrides(args)  # DecodingError (exit 2) for a value out of range
     auth = read_auth(args.auth_file)
     missing = [p for p in args.examples or [] if not Path(p).exists()]

@@ -279,6 +279,19 @@ def test_serve_model_names(capsys):
 
 
 @needs_bundled
+def test_an_unknown_model_is_said_before_the_service_is_imported():
+    """`sat serve --model nope`: the one line at once, without importing torch or Gradio."""
+    probe = (
+        "import sys\n"
+        "from showattendtell.cli.main import main\n"
+        "code = main(['serve', '--model', 'nope'])\n"
+        "print(code, sorted(m for m in ('torch', 'gradio') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout.split("\n")[-2] == "2 []", done.stdout + done.stderr
+    assert done.stderr.startswith("error: --model nope: ") and done.stderr.count("\n") == 1
+
+
 def test_serve_bundled_model_by_name(monkeypatch):
     hard = BUNDLED_DIR / "flickr8k_lite2_hard.safetensors"
     assert model_paths(["flickr8k_lite2_hard"]) == [[hard]]
