@@ -459,3 +459,25 @@ def test_the_allow_list_reads_paths_and_nothing_that_runs(tmp_path, monkeypatch)
     hparams = {"vocab": ["a"], "root": Path("data/flickr8k")}
     torch.save({"state_dict": {}, "hyper_parameters": hparams}, ckpt)
     assert read_checkpoint(ckpt)["hyper_parameters"]["root"] == Path("data/flickr8k")
+
+
+def test_the_best_checkpoint_named_at_the_end_is_one_on_disk(tmp_path):
+    """A stop while Lightning wrote a new best leaves a state naming a file never written: the
+    end of the run names the best kept on disk instead, never a missing file."""
+    import os
+    from types import SimpleNamespace
+
+    from showattendtell.cli.train import _best_on_disk
+
+    old, older = tmp_path / "best-epoch=00.ckpt", tmp_path / "best-epoch=01-v1.ckpt"
+    older.write_bytes(b"x")
+    old.write_bytes(b"x")
+    os.utime(older, (1, 1))  # the newest on disk is epoch 00's
+    missing = SimpleNamespace(best_model_path=str(tmp_path / "best-epoch=02.ckpt"))
+    assert _best_on_disk(missing) == old
+    assert _best_on_disk(SimpleNamespace(best_model_path=str(older))) == older
+    assert _best_on_disk(SimpleNamespace(best_model_path="")) is None
+    assert _best_on_disk(None) is None
+    old.unlink()
+    older.unlink()
+    assert _best_on_disk(missing) is None

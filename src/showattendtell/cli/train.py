@@ -518,6 +518,19 @@ def _shown(path: str | Path) -> str:
         return str(path)
 
 
+def _best_on_disk(best: ModelCheckpoint | None) -> Path | None:
+    """The best checkpoint of ``best``'s folder that is on disk: its own best_model_path, or,
+    after a stop that came while Lightning wrote a new best (its state names the file that was
+    never written, and the one before it is still there), the newest best-*.ckpt."""
+    if best is None or not best.best_model_path:
+        return None
+    path = Path(best.best_model_path)
+    if path.is_file():
+        return path
+    kept = sorted(path.parent.glob("best-*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return kept[-1] if kept else None
+
+
 def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
     """The end of a run: its best validation score and where the best and last checkpoints
     are (what to export next); and a stale interrupted.ckpt removed: this run resumed from it,
@@ -537,31 +550,24 @@ def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
         None,
     )
     lines = [f"finished: {trainer.current_epoch} epochs, {trainer.global_step} steps"]
-    if best is not None and best.best_model_path and Path(best.best_model_path).is_file():
-        score = best.best_model_score
-        where = _shown(best.best_model_path)
+    best_path = _best_on_disk(best)
+    if best_path is not None:
+        score = best.best_model_score if best_path == Path(best.best_model_path) else None
+        where = _shown(best_path)
         lines.append(
             f"best {best.monitor} {float(score):.4f}: {where}"
             if score is not None
             else f"best: {where}"
         )
-    elif best is not None and best.best_model_path:
-        # A stop that came while Lightning wrote the best checkpoint: its state names a file
-        # that was never written, and the one before it is still there. Name what is on disk.
-        kept = sorted(
-            Path(best.best_model_path).parent.glob("best-*.ckpt"), key=lambda p: p.stat().st_mtime
-        )
-        if kept:
-            lines.append(f"best: {_shown(kept[-1])} (the best checkpoint kept on disk)")
     # the file Lightning wrote (last-v1.ckpt when a last.ckpt was in the way), not the name
     # asked for; a callback without a monitor keeps it as its best_model_path
     written = (last.last_model_path or last.best_model_path) if last is not None else ""
     if written and Path(written).is_file():
         lines.append(f"last: {_shown(written)}")
-    if best is not None and best.best_model_path:
+    if best_path is not None:
         lines.append(
             f"make a model file of the best: sat export "
-            f"{shlex.quote(_shown(best.best_model_path))} MODEL.safetensors"
+            f"{shlex.quote(_shown(best_path))} MODEL.safetensors"
         )
     folder = Path(last.dirpath) if last is not None and last.dirpath else None
     stale = folder / INTERRUPTED_CHECKPOINT if folder is not None else None
