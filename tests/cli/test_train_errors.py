@@ -481,3 +481,54 @@ def test_the_best_checkpoint_named_at_the_end_is_one_on_disk(tmp_path):
     old.unlink()
     older.unlink()
     assert _best_on_disk(missing) is None
+
+
+@pytest.mark.parametrize("previous", ["on disk", "none"])
+def test_a_stop_while_a_new_best_is_written_saves_a_state_naming_the_one_on_disk(
+    tmp_path, previous
+):
+    """Lightning records a new best before it writes it: the state saved to resume from names
+    the previous best (with its score, read from its own file) instead of the unwritten one."""
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from showattendtell.cli.train import _forget_unwritten_best
+
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="val/cider", mode="max", save_top_k=1)
+    old, new = tmp_path / "best-epoch=00.ckpt", tmp_path / "best-epoch=01.ckpt"
+    if previous == "on disk":  # what Lightning saved in it, when it was the best
+        state = {"best_model_score": torch.tensor(0.4), "best_model_path": str(old)}
+        torch.save({"callbacks": {best.state_key: state}}, old)
+    # mid-write: the old best forgotten, the new one recorded, its file not yet there
+    best.best_k_models = {str(new): torch.tensor(0.5)}
+    best.best_model_path, best.best_model_score = str(new), torch.tensor(0.5)
+    best.kth_best_model_path, best.kth_value = str(new), torch.tensor(0.5)
+
+    _forget_unwritten_best(best)
+
+    saved = best.state_dict()
+    if previous == "on disk":
+        assert saved["best_model_path"] == str(old)
+        assert float(saved["best_model_score"]) == pytest.approx(0.4)
+        assert saved["best_k_models"] == {str(old): pytest.approx(torch.tensor(0.4))}
+        assert saved["kth_best_model_path"] == str(old)
+    else:
+        assert saved["best_model_path"] == "" and saved["best_k_models"] == {}
+        assert saved["best_model_score"] is None and saved["kth_best_model_path"] == ""
+        assert float(saved["kth_value"]) == -float("inf")  # any score is a new best
+
+
+def test_a_state_whose_best_is_on_disk_is_left_as_it_is(tmp_path):
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from showattendtell.cli.train import _forget_unwritten_best
+
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="val/cider", mode="max", save_top_k=1)
+    written = tmp_path / "best-epoch=00.ckpt"
+    written.write_bytes(b"x")
+    best.best_k_models = {str(written): torch.tensor(0.5)}
+    best.best_model_path, best.best_model_score = str(written), torch.tensor(0.5)
+    before = dict(best.state_dict())
+    _forget_unwritten_best(best)
+    assert best.state_dict() == before

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+import torch
 from jsonargparse import ArgumentError
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
@@ -313,6 +314,8 @@ class SaveOnInterrupt(L.Callback):
         )
         self.saved = folder / INTERRUPTED_CHECKPOINT
         _count_steps_for_the_logger(trainer)
+        for callback in trainer.checkpoint_callbacks:
+            _forget_unwritten_best(callback)
         trainer.save_checkpoint(self.saved, weights_only=False)  # a whole one, to resume
 
 
@@ -459,8 +462,6 @@ def _set_cpu_threads(cli: SatCLI) -> None:
     """On the CPU: set and say the threads (--run.threads, or cpu_threads' choice)."""
     if isinstance(cli.trainer.accelerator, CUDAAccelerator) or cli.trainer.global_rank != 0:
         return
-    import torch
-
     cores, load = _machine_load()
     given = cli.config.run.threads
     threads = cpu_threads(given, cores, load)
@@ -529,6 +530,41 @@ def _best_on_disk(best: ModelCheckpoint | None) -> Path | None:
         return path
     kept = sorted(path.parent.glob("best-*.ckpt"), key=lambda p: p.stat().st_mtime)
     return kept[-1] if kept else None
+
+
+def _forget_unwritten_best(callback: object) -> None:
+    """Make ``callback``'s state name only best checkpoints that are on disk, before it is saved
+    to resume from.
+
+    Why: Lightning's ModelCheckpoint records a new best (and forgets the one it replaces)
+    before it writes the file; a stop during that write leaves a state naming a file that was
+    never written while the previous best is still on disk. Resumed from that state, the run's
+    ``best_model_path`` would stay wrong until a new best, and the previous best file would
+    never be removed. The previous best's score is read from its own file (Lightning saves
+    the callback's state in it, as it was when that file was the best)."""
+    if not isinstance(callback, ModelCheckpoint) or not callback.monitor:
+        return
+    if not callback.best_model_path or Path(callback.best_model_path).is_file():
+        return
+    kept = {p: s for p, s in callback.best_k_models.items() if Path(p).is_file()}
+    on_disk = _best_on_disk(callback)
+    if on_disk is not None and str(on_disk) not in kept:
+        try:
+            state = read_torch_file(on_disk, mmap=True)["callbacks"][callback.state_key]
+            kept[str(on_disk)] = state["best_model_score"]
+        except (TorchFileError, KeyError, TypeError):  # not a checkpoint of this callback
+            pass
+    callback.best_k_models = kept
+    if not kept:
+        callback.best_model_path, callback.best_model_score = "", None
+        callback.kth_best_model_path = ""
+        callback.kth_value = torch.tensor(float("inf") if callback.mode == "min" else -float("inf"))
+        return
+    best, worst = (min, max) if callback.mode == "min" else (max, min)
+    callback.best_model_path = best(kept, key=lambda p: float(kept[p]))
+    callback.best_model_score = kept[callback.best_model_path]
+    callback.kth_best_model_path = worst(kept, key=lambda p: float(kept[p]))
+    callback.kth_value = kept[callback.kth_best_model_path]
 
 
 def _finished(trainer: L.Trainer, resumed_from: str | None) -> None:
