@@ -13,6 +13,7 @@ Uploads reach the handlers as file paths inside Gradio's upload folder (every ev
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -84,6 +85,7 @@ API_DESCRIPTION = (
     "or inline as a data: URL; the server fetches no other URL."
 )
 
+RUNNING_ON = "Running on local URL:  "  # as `sat serve` says it
 DEFAULT_SESSION_MINUTES = 60.0  # a browser session's captioned photo is kept this long
 
 
@@ -406,12 +408,15 @@ def launch(
 ) -> gr.Blocks:
     """Build and start the page alone on Gradio's own server (`sat serve` mounts it beside the
     HTTP API instead: :func:`mount`); ``block=False`` returns once it serves (tests,
-    benchmarks); ``quiet``: no address printed (default: not block). ``auth``: (user, password)
-    pairs; the page then needs a login. ``cache``: the bound on Gradio's cache folder (None:
-    unbounded). ``session_minutes``: how long a browser session's captioned photo is kept
-    (None: the default hour); ``max_sessions``: sessions remembered at most (the oldest are
-    forgotten first; every API client is one). ``guard``: the state of the middleware in front
-    of the app (login on every route, failed-login throttle, full disk, draining on stop).
+    benchmarks), ``block=True`` serves until Ctrl-C. ``quiet``: no address printed (default: not
+    block); otherwise one line, as `sat serve` prints it, and none of Gradio's own (its hint to
+    set ``share=True``, its Ctrl-C message: lines a user of this service cannot act on).
+    ``auth``: (user, password) pairs; the page then needs a login. ``cache``: the bound on
+    Gradio's cache folder (None: unbounded). ``session_minutes``: how long a browser session's
+    captioned photo is kept (None: the default hour); ``max_sessions``: sessions remembered at
+    most (the oldest are forgotten first; every API client is one). ``guard``: the state of the
+    middleware in front of the app (login on every route, failed-login throttle, full disk,
+    draining on stop).
 
     Gradio copies the example photos into its cache when the app is built; requests can only
     name files in its upload folder or cache, so no other file on the machine is served or read.
@@ -437,12 +442,27 @@ def launch(
         js=REFUSAL_JS,
         footer_links=["api"],
         auth=list(auth) if auth else None,
-        prevent_thread_lock=not block,
-        quiet=not block if quiet is None else quiet,
+        prevent_thread_lock=True,  # Gradio's own wait prints a line on Ctrl-C: wait() below
+        quiet=True,  # Gradio's lines name its own launch(): the address is printed here
         state_session_capacity=max_sessions,
         app_kwargs={
             "middleware": [Middleware(GuardMiddleware, guard=guard)],
             "exception_handlers": EXCEPTION_HANDLERS,
         },
     )
+    if not (not block if quiet is None else quiet):  # default: quiet unless it blocks
+        print(f"{RUNNING_ON}{app.local_url.rstrip('/')}", flush=True)
+    if block:
+        wait(app)
     return app
+
+
+def wait(app: gr.Blocks) -> None:
+    """Serve until the server ends or Ctrl-C, then close it."""
+    try:
+        while app.is_running:
+            time.sleep(0.2)  # a poll, as Gradio's own block_thread: the server runs in a thread
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.close(verbose=False)

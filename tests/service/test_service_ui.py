@@ -16,6 +16,7 @@ from showattendtell.search.decoding import DECODING_OPTIONS, MAX_BEAM_SIZE, MAX_
 
 gr = pytest.importorskip("gradio")
 from helpers.service import white_pixels  # noqa: E402
+
 from showattendtell.service import drawing, events, options  # noqa: E402
 from showattendtell.service.app import build_app  # noqa: E402
 from showattendtell.service.uploads import find_examples  # noqa: E402
@@ -436,3 +437,75 @@ def test_the_examples_are_captioned_right_but_the_last_which_is_warned_about():
         assert EXAMPLE_WORDS[path.name] & set(result.words), (path.name, result.caption)
         assert not result.warning, (path.name, result.warning)
     assert results[-1].warning  # the pizzas: unlike the training photos, and said so
+
+
+def test_the_page_alone_prints_its_address_and_no_gradio_hint(service: CaptionService, capfd):
+    """launch() on Gradio's own server: one line with the address, as `sat serve` prints it;
+    not Gradio's "* To create a public link, set `share=True` in `launch()`." (a hint about a
+    call the user of this service does not make)."""
+    from helpers.processes import free_port
+
+    from showattendtell.service.app import launch
+
+    port = free_port()
+    app = launch(service, "127.0.0.1", port, block=False, quiet=False)
+    try:
+        out = capfd.readouterr()
+    finally:
+        app.close(verbose=False)
+    lines = (out.out + out.err).splitlines()
+    assert f"Running on local URL:  http://127.0.0.1:{port}" in lines
+    assert not [line for line in lines if "share=True" in line or line.startswith("* ")], lines
+
+
+def test_the_blocking_page_closes_quietly_on_ctrl_c(capsys):
+    """launch(block=True) waits itself: Ctrl-C closes the server without Gradio's line."""
+    from showattendtell.service.app import wait
+
+    closed = []
+
+    class Interrupted:
+        @property
+        def is_running(self) -> bool:
+            raise KeyboardInterrupt
+
+        def close(self, verbose: bool = True) -> None:
+            closed.append(verbose)
+
+    wait(Interrupted())
+    assert closed == [False] and capsys.readouterr() == ("", "")
+
+
+@pytest.mark.slow
+def test_sat_serve_prints_only_its_own_lines(tiny_model_file: Path, tmp_path: Path):
+    """The real `sat serve`: started, its page and API used, stopped. Every line it prints is
+    one of the project's (INFO/WARNING: ..., the address): no Gradio hint to set share=True, no
+    library's INFO lines (httpx's HTTP Request)."""
+    import os
+    import re
+    import signal
+    import urllib.request
+
+    from helpers.processes import free_port, start_sat
+
+    port = free_port()
+    args = ["serve", "--device", "cpu", "--model", str(tiny_model_file), "--port", str(port)]
+    env = {**os.environ, "GRADIO_TEMP_DIR": str(tmp_path / "cache")}
+    proc = start_sat(args, tmp_path, env=env)
+    try:
+        first = proc.stdout.readline()  # the address, once it serves
+        assert first == f"Running on local URL:  http://127.0.0.1:{port}\n", first
+        url = f"http://127.0.0.1:{port}"
+        for path in ("/", "/config", "/gradio_api/info"):  # what the page loads first
+            assert urllib.request.urlopen(url + path, timeout=60).status == 200
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    lines = (first + out + err).splitlines()
+    own = re.compile(r"(INFO|WARNING|warning): |Running on local URL:  http://")
+    assert all(own.match(line) for line in lines), lines
+    assert not any("share=True" in line or "HTTP Request" in line for line in lines)
