@@ -33,22 +33,38 @@ from .worker import CaptionService
 
 # Toasts at the bottom right, clear of the status line at the top of the page; the warning box
 # stands out; the button the page presses when Gradio refuses a file type is never seen; the
-# controls' help (the hard-attention modes) at body size and colour, not small pale grey; on a
-# phone (400 px) the word gallery takes three panels a row (Gradio's minimum of 100 px a column
-# pushed 3 of 9 off screen), and the beam table wraps its captions and scrolls, not cut.
-CSS = """
-#caption-text textarea {font-size: 1.35em; font-weight: 600}
-.toast-wrap {top: auto !important; bottom: var(--size-4) !important}
-#caption-warning {background: #fff4d6; border-left: 4px solid #e0a000; padding: 4px 10px}
-#refused-upload {display: none !important}
-[data-testid="block-info"] {
+# controls' help (the hard-attention modes; Gradio 6 draws it as .info-text) at body size and
+# colour, not small pale grey; no broken image for a photo the browser cannot show
+# (events.NOT_SHOWN: its preview shows below). On a phone (up to drawing.PHONE_WIDTH px; Gradio
+# stacks the columns itself): the word gallery takes three panels a row (Gradio's minimum of
+# 100 px a column pushed 3 of 9 off screen), the beam table's columns share the screen's width
+# (BEAM_WIDTHS) in smaller type, and the caption sheet laid out for a phone replaces the wide
+# one, whose labels would show at 5 px.
+CSS = f"""
+#caption-text textarea {{font-size: 1.35em; font-weight: 600}}
+.toast-wrap {{top: auto !important; bottom: var(--size-4) !important}}
+#caption-warning {{background: #fff4d6; border-left: 4px solid #e0a000; padding: 4px 10px}}
+#refused-upload {{display: none !important}}
+[data-testid="block-info"], .info-text {{
   font-size: var(--text-md) !important; color: var(--body-text-color) !important
-}
-#beams {overflow-x: auto}
-@media (max-width: 640px) {
-  #word-gallery .grid-container {grid-template-columns: repeat(3, minmax(0, 1fr)) !important}
-}
+}}
+#beams {{overflow-x: auto}}
+#input-image img[src$=".heic" i], #input-image img[src$=".heif" i],
+#input-image img[src$=".tif" i], #input-image img[src$=".tiff" i] {{visibility: hidden}}
+@media (min-width: {drawing.PHONE_WIDTH + 1}px) {{
+  #caption-sheet-phone {{display: none !important}}
+}}
+@media (max-width: {drawing.PHONE_WIDTH}px) {{
+  #word-gallery .grid-container {{grid-template-columns: repeat(3, minmax(0, 1fr)) !important}}
+  #caption-sheet {{display: none !important}}
+  #beams table {{font-size: var(--text-sm)}}
+  #beams th, #beams td, #beams .cell-wrap {{
+    padding-left: 2px !important; padding-right: 2px !important
+  }}
+}}
 """
+BEAM_WIDTHS = ["12%", "42%", "24%", "22%"]  # rank, caption (wrapped), consensus, score: at
+# 400 px each number and heading fits its column in the smaller type
 
 # Gradio's page refuses a file that is not an image, or one over the upload limit, before
 # uploading it, with a toast that fades and no event for the server: this reports the refusal
@@ -94,6 +110,7 @@ class Page:
     """The components the events connect."""
 
     image: gr.Image
+    preview: gr.Image  # a converted preview of a photo the browser cannot show (HEIC)
     model: gr.Dropdown
     controls: dict[str, gr.Component]  # one per decoding option, in the table's order
     button: gr.Button
@@ -123,6 +140,15 @@ def input_column(service: CaptionService, examples: Sequence[Path]) -> dict[str,
         elem_id="input-image",
     )
     local_file_example(image)
+    preview = gr.Image(
+        label="Preview",
+        type="pil",
+        interactive=False,
+        format="jpeg",
+        height=360,
+        visible=False,
+        elem_id="input-preview",
+    )
     model = gr.Dropdown(
         [model_choice(n) for n in names],
         value=names[0],
@@ -142,7 +168,12 @@ def input_column(service: CaptionService, examples: Sequence[Path]) -> dict[str,
             elem_id="examples",
         )
     return dict(
-        image=image, model=model, controls=controls, button=button, examples=gallery_examples
+        image=image,
+        preview=preview,
+        model=model,
+        controls=controls,
+        button=button,
+        examples=gallery_examples,
     )
 
 
@@ -194,18 +225,27 @@ def layout(service: CaptionService, examples: Sequence[Path], session_ttl_s: flo
         elem_id="word-gallery",
     )
     out["sheet"] = gr.Image(
-        label="The whole caption with all word overlays (one colour scale for the caption: red = "
-        "the largest weight of any word, as the bar says)",
+        label="The whole caption, every word on one colour scale (red = the largest weight of "
+        "any word)",
         type="pil",
         interactive=False,
         format="jpeg",
         elem_id="caption-sheet",
+    )
+    # the same sheet laid out for a phone (drawing.sheets); CSS shows one of the two
+    out["phone_sheet"] = gr.Image(
+        label="The whole caption, one colour scale",  # short: clear of the image's buttons
+        type="pil",
+        interactive=False,
+        format="jpeg",
+        elem_id="caption-sheet-phone",
     )
     out["beams"] = gr.Dataframe(
         headers=events.BEAM_COLUMNS,
         label="Top beam captions",
         interactive=False,
         wrap=True,
+        column_widths=BEAM_WIDTHS,
         elem_id="beams",
     )
     refused = gr.Button("refused upload", elem_id="refused-upload")
@@ -240,6 +280,18 @@ def wire_ui(service: CaptionService, page: Page, concurrency: int) -> None:
     gr.on([page.button.click, page.image.upload], trigger_mode="always_last", **run)
     if page.examples is not None:
         page.examples.load_input_event.then(**run)
+    # A photo the browser cannot show (HEIC): a converted preview, beside the caption event and
+    # not queued behind it (a request outside the queue; decoding is bounded as for captions).
+    page.image.upload(
+        partial(events.preview_upload, service),
+        inputs=[page.image],
+        outputs=[page.preview],
+        preprocess=False,
+        **quick,
+    )
+    page.image.change(
+        events.hide_preview, inputs=[page.image], outputs=[page.preview], preprocess=False, **quick
+    )
     # Removing the photo, or Gradio refusing an upload over the size limit, sets it to None.
     page.image.change(
         events.clear_outputs, inputs=[page.image], outputs=outputs, preprocess=False, **quick

@@ -12,12 +12,15 @@ a focused one.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from showattendtell.captioning.captioner import CaptionResult
 from showattendtell.captioning.overlays import (
+    caption_sheet,
     colour_bar,
     label_font,
     overlay_attention,
@@ -89,6 +92,32 @@ def resized(image: Image.Image, size: int) -> Image.Image:
         (max(1, round(image.width * scale)), max(1, round(image.height * scale))),
         Image.Resampling.BICUBIC,
     )
+
+
+SHEET_SIZE = 1024  # longer side of the photo the caption sheets are drawn from
+# The sheet for a phone screen (the page shows it at widths up to PHONE_WIDTH CSS px, where the
+# sheet is about PHONE_SHEET_SHOWN px wide): two columns of small panels with large lettering,
+# so that its 16 x PHONE_TEXT px labels show at 11 px or more; five columns of 200 px panels
+# (the desktop's sheet, 1,168 px wide) would show them at 5 px.
+PHONE_WIDTH = 640
+PHONE_SHEET_SHOWN = 334  # 400 px less the page's margins and the image's border
+PHONE_PANEL, PHONE_COLUMNS, PHONE_TEXT = 160, 2, 1.3
+PHONE_LABEL_WIDTH = 100  # a panel's width at least: its weight's label and most words fit
+
+
+def sheets(image: Image.Image, result: CaptionResult) -> tuple[Image.Image, Image.Image]:
+    """The whole-caption sheet (overlays.caption_sheet: every word on the caption's colour
+    scale), for a wide screen and for a phone; the page shows the one that fits its width."""
+    source = resized(image, SHEET_SIZE)
+    wide = caption_sheet(source, result)
+    # a portrait photo's panels: larger, to be as wide as a label needs, and as many columns of
+    # them as fit where two landscape ones do
+    panel = PHONE_PANEL
+    if panel_size(source.width, source.height, panel)[0] < PHONE_LABEL_WIDTH:
+        panel = math.ceil(panel * PHONE_LABEL_WIDTH / panel_size(*source.size, panel)[0])
+    columns = PHONE_COLUMNS * (PHONE_PANEL + 8) // (panel_size(*source.size, panel)[0] + 8)
+    phone = caption_sheet(source, result, panel, columns, PHONE_TEXT)
+    return wide, phone
 
 
 def scale_max(attention: np.ndarray, index: int, scale: str = DEFAULT_SCALE) -> float:

@@ -16,7 +16,6 @@ from showattendtell.search.decoding import DECODING_OPTIONS, MAX_BEAM_SIZE, MAX_
 
 gr = pytest.importorskip("gradio")
 from helpers.service import white_pixels  # noqa: E402
-
 from showattendtell.service import drawing, events, options  # noqa: E402
 from showattendtell.service.app import build_app  # noqa: E402
 from showattendtell.service.uploads import find_examples  # noqa: E402
@@ -33,8 +32,10 @@ def is_cleared(values) -> bool:
     out = outputs(values)
     return (
         out["warning"]["visible"] is False
-        and (out["caption"], out["state"], out["gallery"], out["view"], out["note"], out["sheet"])
-        == ("", None, [], None, "", None)
+        and (out["caption"], out["state"], out["gallery"], out["view"], out["note"])
+        == ("", None, [], None, "")
+        and out["sheet"] is None
+        and out["phone_sheet"] is None
         and out["words"]["choices"] == []
         and out["beams"]["value"].empty
     )
@@ -417,8 +418,52 @@ def test_a_panorama_s_overlays_are_panels_one_can_see(service: CaptionService, t
 def test_help_text_is_body_size_and_the_gallery_fits_a_phone():
     from showattendtell.service.app import CSS
 
-    assert '[data-testid="block-info"]' in CSS and "var(--text-md)" in CSS
+    assert ".info-text {" in CSS and "var(--text-md)" in CSS  # Gradio 6's help text
     assert "@media (max-width: 640px)" in CSS and "#word-gallery .grid-container" in CSS
+    # one sheet or the other: the phone's below 640 px, the wide one above
+    assert "@media (min-width: 641px)" in CSS and "#caption-sheet-phone {display: none" in CSS
+
+
+@pytest.mark.parametrize("size", [(640, 480), (331, 560), (4000, 100), (100, 4000)])
+def test_the_phone_sheet_is_readable_at_400_px(size):
+    """The whole-caption sheet for a phone: shown about 334 px wide, its word labels at 11 px
+    or more (the wide sheet's would be 5 px); a long caption wraps within the sheet, and a
+    long word stays within its panel (nothing drawn in the sheet's right margin)."""
+    words = [
+        "a",
+        "skateboarder",
+        "in",
+        "a",
+        "black",
+        "shirt",
+        "is",
+        "doing",
+        "a",
+        "trick",
+        "on",
+        "a",
+        "skateboard",
+        "ramp",
+    ]
+    g = 4
+    attention = np.full((len(words), g, g), 1 / g**2, np.float32)
+    attention[:, 1, 2] += 0.2
+    result = SimpleNamespace(
+        caption=" ".join(words), words=words, attention=attention, locations=None
+    )
+    image = Image.new("RGB", size, (128, 128, 128))
+    wide, phone = drawing.sheets(image, result)
+    shown = drawing.PHONE_SHEET_SHOWN / phone.width  # the sheet's scale on a 400 px screen
+    assert 16 * drawing.PHONE_TEXT * shown >= 11, phone.size
+    assert 16 * drawing.PHONE_SHEET_SHOWN / wide.width < 11  # why the phone has its own
+    right = np.asarray(phone.convert("L"))[:, -6:]
+    assert (right > 250).all()  # white: no caption or label runs off the sheet
+
+
+def test_the_caption_event_draws_both_sheets(service: CaptionService):
+    out = outputs(events.ui_caption(service, {"path": str(photo(0)), "orig_name": "p.jpg"}))
+    assert out["sheet"].width > out["phone_sheet"].width
+    assert out["phone_sheet"].height > 200
 
 
 # What each example photo shows, in words the caption must use: the examples show what the
@@ -509,3 +554,54 @@ def test_sat_serve_prints_only_its_own_lines(tiny_model_file: Path, tmp_path: Pa
     own = re.compile(r"(INFO|WARNING|warning): |Running on local URL:  http://")
     assert all(own.match(line) for line in lines), lines
     assert not any("share=True" in line or "HTTP Request" in line for line in lines)
+
+
+def test_a_heic_upload_gets_a_preview_the_browser_can_show(
+    service: CaptionService, tmp_path, monkeypatch
+):
+    """Browsers show no HEIC: the page shows the upload decoded by the project's own reader
+    (as the captioner reads it) beside the input panel; other photos get none."""
+    from showattendtell.service.cache import CacheBound
+
+    pillow_heif = pytest.importorskip("pillow_heif")
+    monkeypatch.setattr(service, "cache", CacheBound(None))  # no page: every path an upload
+    heic = tmp_path / "phone.heic"
+    pillow_heif.from_pillow(Image.open(photo(0)).convert("RGB")).save(heic, quality=90)
+    shown = events.preview_upload(service, {"path": str(heic), "orig_name": "IMG_1.HEIC"})
+    assert shown["visible"] is True and "IMG_1.HEIC" in shown["label"]
+    preview = shown["value"]
+    expected = Image.open(photo(0)).convert("RGB")
+    assert preview.size == expected.size  # a small photo: not enlarged
+    diff = np.abs(np.asarray(preview, np.float32) - np.asarray(expected, np.float32)).mean()
+    assert diff < 8  # the photo, through HEIC's lossy coding
+    jpeg = {"path": str(photo(0)), "orig_name": "photo.jpg"}
+    assert events.preview_upload(service, jpeg)["visible"] is False
+    broken = tmp_path / "cut.heic"
+    broken.write_bytes(heic.read_bytes()[:100])  # the caption event says why; no preview
+    assert events.preview_upload(service, str(broken))["visible"] is False
+    # removed, or replaced by a photo the browser shows (an example): hidden
+    assert events.hide_preview(None)["visible"] is False
+    assert events.hide_preview(jpeg)["visible"] is False
+    assert events.hide_preview({"path": str(heic)}) == gr.skip()
+
+
+def test_the_preview_reads_only_uploads(service: CaptionService, tmp_path, monkeypatch):
+    """As the caption event: a path Gradio did not place in the page's cache is not opened."""
+    pillow_heif = pytest.importorskip("pillow_heif")
+    heic = tmp_path / "elsewhere.heic"
+    pillow_heif.from_pillow(Image.new("RGB", (64, 48), (200, 30, 30))).save(heic)
+    opened = []
+    monkeypatch.setattr(service.cache, "pages", [SimpleNamespace(temp_file_sets=[set()])])
+    monkeypatch.setattr("showattendtell.service.uploads.open_image", opened.append)
+    assert events.preview_upload(service, {"path": str(heic)})["visible"] is False
+    assert opened == []
+    app = build_app(service)
+    ids = {c["id"]: c["props"].get("elem_id") for c in app.config["components"]}
+    wired = [
+        d
+        for d in app.config["dependencies"]
+        if [ids.get(o) for o in d["outputs"]] == ["input-preview"]
+    ]
+    assert {("input-image", "upload"), ("input-image", "change")} == {
+        (ids.get(t[0]), t[1]) for d in wired for t in d["targets"]
+    }
