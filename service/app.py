@@ -292,10 +292,12 @@ def wire_ui(service: CaptionService, page: Page, concurrency: int) -> None:
     page.image.change(
         events.hide_preview, inputs=[page.image], outputs=[page.preview], preprocess=False, **quick
     )
-    # Removing the photo, or Gradio refusing an upload over the size limit, sets it to None.
+    # Removing the photo, or Gradio refusing an upload over the size limit, sets it to None:
+    # the outputs cleared; the status line says which (the prompt, or the refusal's reason).
     page.image.change(
         events.clear_outputs, inputs=[page.image], outputs=outputs, preprocess=False, **quick
     )
+    page.image.clear(events.removed, outputs=outputs, **quick)
     page.refused.click(
         events.refused_upload,
         inputs=[page.outputs["status"]],

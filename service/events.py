@@ -178,11 +178,18 @@ def ui_caption(
     )
 
 
+def removed() -> UIOutputs:
+    """The user removed the photo (the image's clear button): the prompt, outputs cleared."""
+    return (PROMPT, *cleared())
+
+
 def clear_outputs(image: Any) -> UIOutputs:
-    """The image was removed, or Gradio refused the upload (over the size limit): clear the
-    previous photo's outputs. A new image leaves them to the caption event."""
+    """The image became None: removed (``removed`` sets the prompt), or Gradio refused the
+    upload (over the size limit; ``refused_upload`` says why): clear the previous photo's
+    outputs and leave the status line to those, so that the refusal's reason stays in it
+    whichever answer arrives last. A new image leaves them to the caption event."""
     if image is None:
-        return (PROMPT, *cleared())
+        return (gr.skip(), *cleared())
     return tuple(gr.skip() for _ in OUTPUTS)
 
 
@@ -192,7 +199,7 @@ def refused_upload(message: str | None = None) -> UIOutputs:
     outputs are cleared as for any other file that cannot be captioned."""
     reason = (message or "").strip() or "the file is not an image"
     return (
-        f"**Cannot caption this file:** {reason} ({REFUSED}; the photo shown is the previous one).",
+        f"**Cannot caption this file:** {reason} ({REFUSED}; any photo shown is the previous one).",
         *cleared(),
     )
 

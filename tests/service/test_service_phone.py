@@ -87,6 +87,12 @@ def test_the_page_fits_a_phone(server: str, service, tmp_path: Path):
             help_text, body = (
                 page.eval_on_selector(s, STYLE) for s in ("#hard-mode .info-text", "#status p")
             )
+            # the photo removed: the prompt, no outputs, no preview
+            _status_has(page, "hard attention")  # the other model's caption arrived
+            page.locator('#input-image button[aria-label="Remove Image"]').click()
+            _status_has(page, "Upload, paste or pick")
+            expect(page.locator("#word-gallery .thumbnail-item")).to_have_count(0)
+            expect(page.locator("#input-preview")).to_be_hidden()
         finally:
             browser.close()
     assert boxes["page"] <= WIDTH  # nothing makes the page scroll sideways

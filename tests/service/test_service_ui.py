@@ -216,8 +216,10 @@ def test_rejected_upload_clears_every_output(service: CaptionService, tmp_path: 
     assert out["beams"]["value"].empty and out["warning"]["visible"] is False
     assert out["words"]["choices"] == [] and out["words"]["value"] is None
     # Gradio sets the image to None when it refuses an upload (too large) or it is removed
+    # (the status line is left to the refusal's reason, or to the removal's prompt)
     cleared = events.clear_outputs(None)
-    assert cleared[0] == events.PROMPT and is_cleared(cleared)
+    assert cleared[0] == gr.skip() and is_cleared(cleared)
+    assert events.removed()[0] == events.PROMPT and is_cleared(events.removed())
     assert all(x == gr.skip() for x in events.clear_outputs({"path": "x.jpg"}))
     # Gradio pops the values of the update dicts it is given: each clear gets its own
     first = events.cleared()
@@ -261,6 +263,7 @@ def test_caption_runs_once_per_upload(service: CaptionService):
             caption_triggers.append({(ids.get(t[0]), t[1]) for t in dep["targets"]})
     assert {("input-image", "upload"), ("caption-button", "click")} in caption_triggers
     assert {("input-image", "change")} in caption_triggers  # the clear event
+    assert {("input-image", "clear")} in caption_triggers  # the removal: the prompt
     for triggers in caption_triggers:
         assert not {("input-image", "upload"), ("input-image", "change")} <= triggers
 
