@@ -43,16 +43,20 @@ def is_flat(grid: np.ndarray) -> bool:
     return float(np.max(grid)) < FLAT_RATIO / grid.size
 
 
-def tagged(image: Image.Image, text: str = FLAT_TAG) -> Image.Image:
+def tagged(image: Image.Image, text: str = FLAT_TAG, top: bool = False) -> Image.Image:
     """The image with ``text`` on a dark band at its bottom left (marks a flat map): Gradio
-    lays its label over the top left of an image that fills its box, which hid a tag there."""
+    lays its label over the top left of an image that fills its box, which hid a tag there.
+    ``top``: at the top left, in larger letters, for a gallery panel, whose caption Gradio lays
+    over the bottom of the panel and which a phone shows 100 px wide."""
     out = image.copy()
     draw = ImageDraw.Draw(out)
-    font = label_font(max(10, min(14, image.width // 20)))
+    size = max(10, image.width // 10) if top else max(10, min(14, image.width // 20))
+    font = label_font(size)
     box = draw.textbbox((0, 0), text, font=font)
-    top = max(0, image.height - (box[3] + 8))
-    draw.rectangle([0, top, box[2] + 10, image.height], fill=(20, 20, 20))
-    draw.text((5, top + 3), text, fill=(255, 214, 90), font=font)  # not white: white marks a cell
+    band = box[3] + 8
+    y = 0 if top else max(0, image.height - band)
+    draw.rectangle([0, y, box[2] + 10, y + band], fill=(20, 20, 20))
+    draw.text((5, y + 3), text, fill=(255, 214, 90), font=font)  # not white: white marks a cell
     return out
 
 
@@ -176,7 +180,7 @@ def overlay(state: dict[str, Any], i: int, scale: str, size_key: str) -> Image.I
     img = overlay_attention(
         state[size_key], att[i], located(state, i), vmax=scale_max(att, i, scale)
     )
-    return tagged(img) if is_flat(att[i]) else img
+    return tagged(img, top=size_key == "small") if is_flat(att[i]) else img
 
 
 def gallery(state: dict[str, Any] | None, scale: str = DEFAULT_SCALE) -> list:

@@ -301,9 +301,9 @@ def test_colour_scale_labelled_with_real_weights():
     bar = drawing.with_colour_bar(state["image"], 0.8, 16)
     y = round((1 - (1 / 16) / 0.8) * 127)
     assert bar.width > 128 + 60 and bar.getpixel((128 + 8 - 2, y)) == (0, 0, 0)
-    # above the "flat map" tag of the uniform map: its strongest colour is pale
+    # below the "flat map" tag of the uniform map: its strongest colour is pale
     pale, strong = (
-        np.asarray(p.crop((0, 0, 128, 88)), np.float32)
+        np.asarray(p.crop((0, 40, 128, 128)), np.float32)
         for p, _ in drawing.gallery(state, "caption")
     )
     assert np.abs(pale - 128).max() < np.abs(strong - 128).max() / 2
@@ -340,7 +340,12 @@ def test_near_uniform_map_is_not_painted_red_by_default():
         # of the label Gradio lays over the top left of an image that fills its box
         assert np.asarray(view.crop((0, 116, 40, 128)), np.float32).mean() < 90
         assert np.asarray(view.crop((0, 0, 40, 12)), np.float32).mean() > 90
-    labels = [label for _, label in drawing.gallery(state, "word")]
+    panels = drawing.gallery(state, "word")
+    # a gallery panel's tag at the top left, clear of the caption Gradio lays over its bottom
+    flat_panel = panels[0][0]
+    assert np.asarray(flat_panel.crop((0, 0, 40, 12)), np.float32).mean() < 90
+    assert np.asarray(flat_panel.crop((0, 116, 40, 128)), np.float32).mean() > 90
+    labels = [label for _, label in panels]
     assert "flat map" in labels[0] and "flat map" not in labels[1]
     comps = {c["props"].get("elem_id"): c for c in build_app_scale_only()}
     assert comps["colour-scale"]["props"]["value"] == "caption"
