@@ -16,7 +16,6 @@ from PIL import Image
 
 gr = pytest.importorskip("gradio")
 from helpers.service import EXPECTED, bad_inputs, free_port  # noqa: E402
-from showattendtell.service import events  # noqa: E402
 from showattendtell.service.app import launch  # noqa: E402
 from showattendtell.service.auth import read_auth  # noqa: E402
 from showattendtell.service.captioning import caption_image  # noqa: E402

@@ -497,7 +497,6 @@ def test_the_page_alone_prints_its_address_and_no_gradio_hint(service: CaptionSe
     not Gradio's "* To create a public link, set `share=True` in `launch()`." (a hint about a
     call the user of this service does not make)."""
     from helpers.processes import free_port
-
     from showattendtell.service.app import launch
 
     port = free_port()
