@@ -13,6 +13,7 @@ Uploads reach the handlers as file paths inside Gradio's upload folder (every ev
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -32,22 +33,38 @@ from .worker import CaptionService
 
 # Toasts at the bottom right, clear of the status line at the top of the page; the warning box
 # stands out; the button the page presses when Gradio refuses a file type is never seen; the
-# controls' help (the hard-attention modes) at body size and colour, not small pale grey; on a
-# phone (400 px) the word gallery takes three panels a row (Gradio's minimum of 100 px a column
-# pushed 3 of 9 off screen), and the beam table wraps its captions and scrolls, not cut.
-CSS = """
-#caption-text textarea {font-size: 1.35em; font-weight: 600}
-.toast-wrap {top: auto !important; bottom: var(--size-4) !important}
-#caption-warning {background: #fff4d6; border-left: 4px solid #e0a000; padding: 4px 10px}
-#refused-upload {display: none !important}
-[data-testid="block-info"] {
+# controls' help (the hard-attention modes; Gradio 6 draws it as .info-text) at body size and
+# colour, not small pale grey; no broken image for a photo the browser cannot show
+# (events.NOT_SHOWN: its preview shows below). On a phone (up to drawing.PHONE_WIDTH px; Gradio
+# stacks the columns itself): the word gallery takes three panels a row (Gradio's minimum of
+# 100 px a column pushed 3 of 9 off screen), the beam table's columns share the screen's width
+# (BEAM_WIDTHS) in smaller type, and the caption sheet laid out for a phone replaces the wide
+# one, whose labels would show at 5 px.
+CSS = f"""
+#caption-text textarea {{font-size: 1.35em; font-weight: 600}}
+.toast-wrap {{top: auto !important; bottom: var(--size-4) !important}}
+#caption-warning {{background: #fff4d6; border-left: 4px solid #e0a000; padding: 4px 10px}}
+#refused-upload {{display: none !important}}
+[data-testid="block-info"], .info-text {{
   font-size: var(--text-md) !important; color: var(--body-text-color) !important
-}
-#beams {overflow-x: auto}
-@media (max-width: 640px) {
-  #word-gallery .grid-container {grid-template-columns: repeat(3, minmax(0, 1fr)) !important}
-}
+}}
+#beams {{overflow-x: auto}}
+#input-image img[src$=".heic" i], #input-image img[src$=".heif" i],
+#input-image img[src$=".tif" i], #input-image img[src$=".tiff" i] {{visibility: hidden}}
+@media (min-width: {drawing.PHONE_WIDTH + 1}px) {{
+  #caption-sheet-phone {{display: none !important}}
+}}
+@media (max-width: {drawing.PHONE_WIDTH}px) {{
+  #word-gallery .grid-container {{grid-template-columns: repeat(3, minmax(0, 1fr)) !important}}
+  #caption-sheet {{display: none !important}}
+  #beams table {{font-size: var(--text-sm)}}
+  #beams th, #beams td, #beams .cell-wrap {{
+    padding-left: 2px !important; padding-right: 2px !important
+  }}
+}}
 """
+BEAM_WIDTHS = ["12%", "42%", "24%", "22%"]  # rank, caption (wrapped), consensus, score: at
+# 400 px each number and heading fits its column in the smaller type
 
 # Gradio's page refuses a file that is not an image, or one over the upload limit, before
 # uploading it, with a toast that fades and no event for the server: this reports the refusal
@@ -84,6 +101,7 @@ API_DESCRIPTION = (
     "or inline as a data: URL; the server fetches no other URL."
 )
 
+RUNNING_ON = "Running on local URL:  "  # as `sat serve` says it
 DEFAULT_SESSION_MINUTES = 60.0  # a browser session's captioned photo is kept this long
 
 
@@ -92,6 +110,7 @@ class Page:
     """The components the events connect."""
 
     image: gr.Image
+    preview: gr.Image  # a converted preview of a photo the browser cannot show (HEIC)
     model: gr.Dropdown
     controls: dict[str, gr.Component]  # one per decoding option, in the table's order
     button: gr.Button
@@ -121,6 +140,15 @@ def input_column(service: CaptionService, examples: Sequence[Path]) -> dict[str,
         elem_id="input-image",
     )
     local_file_example(image)
+    preview = gr.Image(
+        label="Preview",
+        type="pil",
+        interactive=False,
+        format="jpeg",
+        height=360,
+        visible=False,
+        elem_id="input-preview",
+    )
     model = gr.Dropdown(
         [model_choice(n) for n in names],
         value=names[0],
@@ -140,7 +168,12 @@ def input_column(service: CaptionService, examples: Sequence[Path]) -> dict[str,
             elem_id="examples",
         )
     return dict(
-        image=image, model=model, controls=controls, button=button, examples=gallery_examples
+        image=image,
+        preview=preview,
+        model=model,
+        controls=controls,
+        button=button,
+        examples=gallery_examples,
     )
 
 
@@ -192,18 +225,27 @@ def layout(service: CaptionService, examples: Sequence[Path], session_ttl_s: flo
         elem_id="word-gallery",
     )
     out["sheet"] = gr.Image(
-        label="The whole caption with all word overlays (one colour scale for the caption: red = "
-        "the largest weight of any word, as the bar says)",
+        label="The whole caption, every word on one colour scale (red = the largest weight of "
+        "any word)",
         type="pil",
         interactive=False,
         format="jpeg",
         elem_id="caption-sheet",
+    )
+    # the same sheet laid out for a phone (drawing.sheets); CSS shows one of the two
+    out["phone_sheet"] = gr.Image(
+        label="The whole caption, one colour scale",  # short: clear of the image's buttons
+        type="pil",
+        interactive=False,
+        format="jpeg",
+        elem_id="caption-sheet-phone",
     )
     out["beams"] = gr.Dataframe(
         headers=events.BEAM_COLUMNS,
         label="Top beam captions",
         interactive=False,
         wrap=True,
+        column_widths=BEAM_WIDTHS,
         elem_id="beams",
     )
     refused = gr.Button("refused upload", elem_id="refused-upload")
@@ -238,10 +280,24 @@ def wire_ui(service: CaptionService, page: Page, concurrency: int) -> None:
     gr.on([page.button.click, page.image.upload], trigger_mode="always_last", **run)
     if page.examples is not None:
         page.examples.load_input_event.then(**run)
-    # Removing the photo, or Gradio refusing an upload over the size limit, sets it to None.
+    # A photo the browser cannot show (HEIC): a converted preview, beside the caption event and
+    # not queued behind it (a request outside the queue; decoding is bounded as for captions).
+    page.image.upload(
+        partial(events.preview_upload, service),
+        inputs=[page.image],
+        outputs=[page.preview],
+        preprocess=False,
+        **quick,
+    )
+    page.image.change(
+        events.hide_preview, inputs=[page.image], outputs=[page.preview], preprocess=False, **quick
+    )
+    # Removing the photo, or Gradio refusing an upload over the size limit, sets it to None:
+    # the outputs cleared; the status line says which (the prompt, or the refusal's reason).
     page.image.change(
         events.clear_outputs, inputs=[page.image], outputs=outputs, preprocess=False, **quick
     )
+    page.image.clear(events.removed, outputs=outputs, **quick)
     page.refused.click(
         events.refused_upload,
         inputs=[page.outputs["status"]],
@@ -406,12 +462,15 @@ def launch(
 ) -> gr.Blocks:
     """Build and start the page alone on Gradio's own server (`sat serve` mounts it beside the
     HTTP API instead: :func:`mount`); ``block=False`` returns once it serves (tests,
-    benchmarks); ``quiet``: no address printed (default: not block). ``auth``: (user, password)
-    pairs; the page then needs a login. ``cache``: the bound on Gradio's cache folder (None:
-    unbounded). ``session_minutes``: how long a browser session's captioned photo is kept
-    (None: the default hour); ``max_sessions``: sessions remembered at most (the oldest are
-    forgotten first; every API client is one). ``guard``: the state of the middleware in front
-    of the app (login on every route, failed-login throttle, full disk, draining on stop).
+    benchmarks), ``block=True`` serves until Ctrl-C. ``quiet``: no address printed (default: not
+    block); otherwise one line, as `sat serve` prints it, and none of Gradio's own (its hint to
+    set ``share=True``, its Ctrl-C message: lines a user of this service cannot act on).
+    ``auth``: (user, password) pairs; the page then needs a login. ``cache``: the bound on
+    Gradio's cache folder (None: unbounded). ``session_minutes``: how long a browser session's
+    captioned photo is kept (None: the default hour); ``max_sessions``: sessions remembered at
+    most (the oldest are forgotten first; every API client is one). ``guard``: the state of the
+    middleware in front of the app (login on every route, failed-login throttle, full disk,
+    draining on stop).
 
     Gradio copies the example photos into its cache when the app is built; requests can only
     name files in its upload folder or cache, so no other file on the machine is served or read.
@@ -437,12 +496,27 @@ def launch(
         js=REFUSAL_JS,
         footer_links=["api"],
         auth=list(auth) if auth else None,
-        prevent_thread_lock=not block,
-        quiet=not block if quiet is None else quiet,
+        prevent_thread_lock=True,  # Gradio's own wait prints a line on Ctrl-C: wait() below
+        quiet=True,  # Gradio's lines name its own launch(): the address is printed here
         state_session_capacity=max_sessions,
         app_kwargs={
             "middleware": [Middleware(GuardMiddleware, guard=guard)],
             "exception_handlers": EXCEPTION_HANDLERS,
         },
     )
+    if not (not block if quiet is None else quiet):  # default: quiet unless it blocks
+        print(f"{RUNNING_ON}{app.local_url.rstrip('/')}", flush=True)
+    if block:
+        wait(app)
     return app
+
+
+def wait(app: gr.Blocks) -> None:
+    """Serve until the server ends or Ctrl-C, then close it."""
+    try:
+        while app.is_running:
+            time.sleep(0.2)  # a poll, as Gradio's own block_thread: the server runs in a thread
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.close(verbose=False)

@@ -12,12 +12,15 @@ a focused one.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from showattendtell.captioning.captioner import CaptionResult
 from showattendtell.captioning.overlays import (
+    caption_sheet,
     colour_bar,
     label_font,
     overlay_attention,
@@ -40,16 +43,20 @@ def is_flat(grid: np.ndarray) -> bool:
     return float(np.max(grid)) < FLAT_RATIO / grid.size
 
 
-def tagged(image: Image.Image, text: str = FLAT_TAG) -> Image.Image:
+def tagged(image: Image.Image, text: str = FLAT_TAG, top: bool = False) -> Image.Image:
     """The image with ``text`` on a dark band at its bottom left (marks a flat map): Gradio
-    lays its label over the top left of an image that fills its box, which hid a tag there."""
+    lays its label over the top left of an image that fills its box, which hid a tag there.
+    ``top``: at the top left, in larger letters, for a gallery panel, whose caption Gradio lays
+    over the bottom of the panel and which a phone shows 100 px wide."""
     out = image.copy()
     draw = ImageDraw.Draw(out)
-    font = label_font(max(10, min(14, image.width // 20)))
+    size = max(10, image.width // 10) if top else max(10, min(14, image.width // 20))
+    font = label_font(size)
     box = draw.textbbox((0, 0), text, font=font)
-    top = max(0, image.height - (box[3] + 8))
-    draw.rectangle([0, top, box[2] + 10, image.height], fill=(20, 20, 20))
-    draw.text((5, top + 3), text, fill=(255, 214, 90), font=font)  # not white: white marks a cell
+    band = box[3] + 8
+    y = 0 if top else max(0, image.height - band)
+    draw.rectangle([0, y, box[2] + 10, y + band], fill=(20, 20, 20))
+    draw.text((5, y + 3), text, fill=(255, 214, 90), font=font)  # not white: white marks a cell
     return out
 
 
@@ -89,6 +96,32 @@ def resized(image: Image.Image, size: int) -> Image.Image:
         (max(1, round(image.width * scale)), max(1, round(image.height * scale))),
         Image.Resampling.BICUBIC,
     )
+
+
+SHEET_SIZE = 1024  # longer side of the photo the caption sheets are drawn from
+# The sheet for a phone screen (the page shows it at widths up to PHONE_WIDTH CSS px, where the
+# sheet is about PHONE_SHEET_SHOWN px wide): two columns of small panels with large lettering,
+# so that its 16 x PHONE_TEXT px labels show at 11 px or more; five columns of 200 px panels
+# (the desktop's sheet, 1,168 px wide) would show them at 5 px.
+PHONE_WIDTH = 640
+PHONE_SHEET_SHOWN = 334  # 400 px less the page's margins and the image's border
+PHONE_PANEL, PHONE_COLUMNS, PHONE_TEXT = 160, 2, 1.3
+PHONE_LABEL_WIDTH = 100  # a panel's width at least: its weight's label and most words fit
+
+
+def sheets(image: Image.Image, result: CaptionResult) -> tuple[Image.Image, Image.Image]:
+    """The whole-caption sheet (overlays.caption_sheet: every word on the caption's colour
+    scale), for a wide screen and for a phone; the page shows the one that fits its width."""
+    source = resized(image, SHEET_SIZE)
+    wide = caption_sheet(source, result)
+    # a portrait photo's panels: larger, to be as wide as a label needs, and as many columns of
+    # them as fit where two landscape ones do
+    panel = PHONE_PANEL
+    if panel_size(source.width, source.height, panel)[0] < PHONE_LABEL_WIDTH:
+        panel = math.ceil(panel * PHONE_LABEL_WIDTH / panel_size(*source.size, panel)[0])
+    columns = PHONE_COLUMNS * (PHONE_PANEL + 8) // (panel_size(*source.size, panel)[0] + 8)
+    phone = caption_sheet(source, result, panel, columns, PHONE_TEXT)
+    return wide, phone
 
 
 def scale_max(attention: np.ndarray, index: int, scale: str = DEFAULT_SCALE) -> float:
@@ -147,7 +180,7 @@ def overlay(state: dict[str, Any], i: int, scale: str, size_key: str) -> Image.I
     img = overlay_attention(
         state[size_key], att[i], located(state, i), vmax=scale_max(att, i, scale)
     )
-    return tagged(img) if is_flat(att[i]) else img
+    return tagged(img, top=size_key == "small") if is_flat(att[i]) else img
 
 
 def gallery(state: dict[str, Any] | None, scale: str = DEFAULT_SCALE) -> list:

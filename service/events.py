@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 import pandas as pd
 
-from showattendtell.captioning.overlays import caption_sheet
 from showattendtell.errors import UserError
 from showattendtell.images.files import ImageError
 
 from . import drawing, options
 from .captioning import Captioned, caption_image
+from .uploads import read_upload, upload_path
 from .worker import CaptionService
 
 VIEW_SIZE = 512  # longer side of the selected word's large overlay
 PANEL_SIZE = 224  # longer side of each gallery panel
-SHEET_SIZE = 1024  # longer side of the photo on the caption sheet
+PREVIEW_SIZE = 1024  # longer side of the preview of a photo the browser cannot show
 TOAST_SECONDS = 8
+# Photos the page takes that browsers do not show (Chromium and Firefox show no HEIC or TIFF):
+# the input panel would show a broken image, so the page shows a converted preview below it.
+NOT_SHOWN = (".heic", ".heif", ".tif", ".tiff")
 
 PROMPT = "Upload, paste or pick an example image."
 REFUSED = "Gradio refused the file before it reached the captioner"
@@ -34,6 +38,7 @@ OUTPUTS = (
     "view",
     "note",
     "sheet",
+    "phone_sheet",
     "beams",
 )
 UIOutputs = tuple[Any, ...]
@@ -56,6 +61,7 @@ def cleared() -> UIOutputs:
         gr.update(choices=[], value=None),
         None,
         "",
+        None,
         None,
         no_beams(),
     )
@@ -156,7 +162,7 @@ def ui_caption(
     first = drawing.opening_word(r.words, r.attention)
     words = gr.update(choices=[(w, i) for i, w in enumerate(r.words)], value=first)
     view, note = drawing.word_view(state, first, scale)
-    sheet = caption_sheet(drawing.resized(done.image, SHEET_SIZE), r) if r.words else None
+    sheet, phone_sheet = drawing.sheets(done.image, r) if r.words else (None, None)
     return (
         status_text(done),
         warning_update(done),
@@ -167,15 +173,23 @@ def ui_caption(
         view,
         note,
         sheet,
+        phone_sheet,
         beam_table(done),
     )
 
 
+def removed() -> UIOutputs:
+    """The user removed the photo (the image's clear button): the prompt, outputs cleared."""
+    return (PROMPT, *cleared())
+
+
 def clear_outputs(image: Any) -> UIOutputs:
-    """The image was removed, or Gradio refused the upload (over the size limit): clear the
-    previous photo's outputs. A new image leaves them to the caption event."""
+    """The image became None: removed (``removed`` sets the prompt), or Gradio refused the
+    upload (over the size limit; ``refused_upload`` says why): clear the previous photo's
+    outputs and leave the status line to those, so that the refusal's reason stays in it
+    whichever answer arrives last. A new image leaves them to the caption event."""
     if image is None:
-        return (PROMPT, *cleared())
+        return (gr.skip(), *cleared())
     return tuple(gr.skip() for _ in OUTPUTS)
 
 
@@ -185,7 +199,7 @@ def refused_upload(message: str | None = None) -> UIOutputs:
     outputs are cleared as for any other file that cannot be captioned."""
     reason = (message or "").strip() or "the file is not an image"
     return (
-        f"**Cannot caption this file:** {reason} ({REFUSED}; the photo shown is the previous one).",
+        f"**Cannot caption this file:** {reason} ({REFUSED}; any photo shown is the previous one).",
         *cleared(),
     )
 
@@ -208,3 +222,36 @@ def rescale(
     """The gallery and the selected word's view redrawn on another colour scale."""
     view, note = drawing.word_view(state, index, scale)
     return drawing.gallery(state, scale), view, note
+
+
+def upload_name(upload: Any) -> str:
+    """The upload's file name as the user knows it ("" for inline data)."""
+    name = upload.get("orig_name") if isinstance(upload, dict) else None
+    return name or Path(upload_path(upload) or "").name
+
+
+def preview_upload(service: CaptionService, upload: Any) -> Any:
+    """The preview beside the input panel: for a photo the browser cannot show (NOT_SHOWN), the
+    upload decoded as `sat caption` decodes it (uploads.read_upload: only a file uploaded to this
+    page, decompression bombs refused) and shrunk; hidden for any other photo. A file that
+    cannot be decoded gets no preview: the caption event says why."""
+    name = upload_name(upload)
+    if not name.lower().endswith(NOT_SHOWN):
+        return gr.update(value=None, visible=False)
+    try:
+        image = read_upload(upload, service.max_upload_bytes, cache=service.cache)
+    except UserError:
+        return gr.update(value=None, visible=False)
+    return gr.update(
+        value=drawing.resized(image, PREVIEW_SIZE),
+        visible=True,
+        label=f"Preview of {name}",  # short: clear of the image's buttons on a phone
+    )
+
+
+def hide_preview(upload: Any) -> Any:
+    """The photo was removed or replaced by one the browser shows (an example): no preview.
+    A new photo it cannot show keeps it until its upload event has drawn the new one."""
+    if upload is not None and upload_name(upload).lower().endswith(NOT_SHOWN):
+        return gr.skip()
+    return gr.update(value=None, visible=False)

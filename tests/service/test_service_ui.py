@@ -32,8 +32,10 @@ def is_cleared(values) -> bool:
     out = outputs(values)
     return (
         out["warning"]["visible"] is False
-        and (out["caption"], out["state"], out["gallery"], out["view"], out["note"], out["sheet"])
-        == ("", None, [], None, "", None)
+        and (out["caption"], out["state"], out["gallery"], out["view"], out["note"])
+        == ("", None, [], None, "")
+        and out["sheet"] is None
+        and out["phone_sheet"] is None
         and out["words"]["choices"] == []
         and out["beams"]["value"].empty
     )
@@ -214,8 +216,10 @@ def test_rejected_upload_clears_every_output(service: CaptionService, tmp_path: 
     assert out["beams"]["value"].empty and out["warning"]["visible"] is False
     assert out["words"]["choices"] == [] and out["words"]["value"] is None
     # Gradio sets the image to None when it refuses an upload (too large) or it is removed
+    # (the status line is left to the refusal's reason, or to the removal's prompt)
     cleared = events.clear_outputs(None)
-    assert cleared[0] == events.PROMPT and is_cleared(cleared)
+    assert cleared[0] == gr.skip() and is_cleared(cleared)
+    assert events.removed()[0] == events.PROMPT and is_cleared(events.removed())
     assert all(x == gr.skip() for x in events.clear_outputs({"path": "x.jpg"}))
     # Gradio pops the values of the update dicts it is given: each clear gets its own
     first = events.cleared()
@@ -259,6 +263,7 @@ def test_caption_runs_once_per_upload(service: CaptionService):
             caption_triggers.append({(ids.get(t[0]), t[1]) for t in dep["targets"]})
     assert {("input-image", "upload"), ("caption-button", "click")} in caption_triggers
     assert {("input-image", "change")} in caption_triggers  # the clear event
+    assert {("input-image", "clear")} in caption_triggers  # the removal: the prompt
     for triggers in caption_triggers:
         assert not {("input-image", "upload"), ("input-image", "change")} <= triggers
 
@@ -296,9 +301,9 @@ def test_colour_scale_labelled_with_real_weights():
     bar = drawing.with_colour_bar(state["image"], 0.8, 16)
     y = round((1 - (1 / 16) / 0.8) * 127)
     assert bar.width > 128 + 60 and bar.getpixel((128 + 8 - 2, y)) == (0, 0, 0)
-    # above the "flat map" tag of the uniform map: its strongest colour is pale
+    # below the "flat map" tag of the uniform map: its strongest colour is pale
     pale, strong = (
-        np.asarray(p.crop((0, 0, 128, 88)), np.float32)
+        np.asarray(p.crop((0, 40, 128, 128)), np.float32)
         for p, _ in drawing.gallery(state, "caption")
     )
     assert np.abs(pale - 128).max() < np.abs(strong - 128).max() / 2
@@ -335,7 +340,12 @@ def test_near_uniform_map_is_not_painted_red_by_default():
         # of the label Gradio lays over the top left of an image that fills its box
         assert np.asarray(view.crop((0, 116, 40, 128)), np.float32).mean() < 90
         assert np.asarray(view.crop((0, 0, 40, 12)), np.float32).mean() > 90
-    labels = [label for _, label in drawing.gallery(state, "word")]
+    panels = drawing.gallery(state, "word")
+    # a gallery panel's tag at the top left, clear of the caption Gradio lays over its bottom
+    flat_panel = panels[0][0]
+    assert np.asarray(flat_panel.crop((0, 0, 40, 12)), np.float32).mean() < 90
+    assert np.asarray(flat_panel.crop((0, 116, 40, 128)), np.float32).mean() > 90
+    labels = [label for _, label in panels]
     assert "flat map" in labels[0] and "flat map" not in labels[1]
     comps = {c["props"].get("elem_id"): c for c in build_app_scale_only()}
     assert comps["colour-scale"]["props"]["value"] == "caption"
@@ -416,8 +426,52 @@ def test_a_panorama_s_overlays_are_panels_one_can_see(service: CaptionService, t
 def test_help_text_is_body_size_and_the_gallery_fits_a_phone():
     from showattendtell.service.app import CSS
 
-    assert '[data-testid="block-info"]' in CSS and "var(--text-md)" in CSS
+    assert ".info-text {" in CSS and "var(--text-md)" in CSS  # Gradio 6's help text
     assert "@media (max-width: 640px)" in CSS and "#word-gallery .grid-container" in CSS
+    # one sheet or the other: the phone's below 640 px, the wide one above
+    assert "@media (min-width: 641px)" in CSS and "#caption-sheet-phone {display: none" in CSS
+
+
+@pytest.mark.parametrize("size", [(640, 480), (331, 560), (4000, 100), (100, 4000)])
+def test_the_phone_sheet_is_readable_at_400_px(size):
+    """The whole-caption sheet for a phone: shown about 334 px wide, its word labels at 11 px
+    or more (the wide sheet's would be 5 px); a long caption wraps within the sheet, and a
+    long word stays within its panel (nothing drawn in the sheet's right margin)."""
+    words = [
+        "a",
+        "skateboarder",
+        "in",
+        "a",
+        "black",
+        "shirt",
+        "is",
+        "doing",
+        "a",
+        "trick",
+        "on",
+        "a",
+        "skateboard",
+        "ramp",
+    ]
+    g = 4
+    attention = np.full((len(words), g, g), 1 / g**2, np.float32)
+    attention[:, 1, 2] += 0.2
+    result = SimpleNamespace(
+        caption=" ".join(words), words=words, attention=attention, locations=None
+    )
+    image = Image.new("RGB", size, (128, 128, 128))
+    wide, phone = drawing.sheets(image, result)
+    shown = drawing.PHONE_SHEET_SHOWN / phone.width  # the sheet's scale on a 400 px screen
+    assert 16 * drawing.PHONE_TEXT * shown >= 11, phone.size
+    assert 16 * drawing.PHONE_SHEET_SHOWN / wide.width < 11  # why the phone has its own
+    right = np.asarray(phone.convert("L"))[:, -6:]
+    assert (right > 250).all()  # white: no caption or label runs off the sheet
+
+
+def test_the_caption_event_draws_both_sheets(service: CaptionService):
+    out = outputs(events.ui_caption(service, {"path": str(photo(0)), "orig_name": "p.jpg"}))
+    assert out["sheet"].width > out["phone_sheet"].width
+    assert out["phone_sheet"].height > 200
 
 
 # What each example photo shows, in words the caption must use: the examples show what the
@@ -436,3 +490,125 @@ def test_the_examples_are_captioned_right_but_the_last_which_is_warned_about():
         assert EXAMPLE_WORDS[path.name] & set(result.words), (path.name, result.caption)
         assert not result.warning, (path.name, result.warning)
     assert results[-1].warning  # the pizzas: unlike the training photos, and said so
+
+
+def test_the_page_alone_prints_its_address_and_no_gradio_hint(service: CaptionService, capfd):
+    """launch() on Gradio's own server: one line with the address, as `sat serve` prints it;
+    not Gradio's "* To create a public link, set `share=True` in `launch()`." (a hint about a
+    call the user of this service does not make)."""
+    from helpers.processes import free_port
+    from showattendtell.service.app import launch
+
+    port = free_port()
+    app = launch(service, "127.0.0.1", port, block=False, quiet=False)
+    try:
+        out = capfd.readouterr()
+    finally:
+        app.close(verbose=False)
+    lines = (out.out + out.err).splitlines()
+    assert f"Running on local URL:  http://127.0.0.1:{port}" in lines
+    assert not [line for line in lines if "share=True" in line or line.startswith("* ")], lines
+
+
+def test_the_blocking_page_closes_quietly_on_ctrl_c(capsys):
+    """launch(block=True) waits itself: Ctrl-C closes the server without Gradio's line."""
+    from showattendtell.service.app import wait
+
+    closed = []
+
+    class Interrupted:
+        @property
+        def is_running(self) -> bool:
+            raise KeyboardInterrupt
+
+        def close(self, verbose: bool = True) -> None:
+            closed.append(verbose)
+
+    wait(Interrupted())
+    assert closed == [False] and capsys.readouterr() == ("", "")
+
+
+@pytest.mark.slow
+def test_sat_serve_prints_only_its_own_lines(tiny_model_file: Path, tmp_path: Path):
+    """The real `sat serve`: started, its page and API used, stopped. Every line it prints is
+    one of the project's (INFO/WARNING: ..., the address): no Gradio hint to set share=True, no
+    library's INFO lines (httpx's HTTP Request)."""
+    import os
+    import re
+    import signal
+    import urllib.request
+
+    from helpers.processes import free_port, start_sat
+
+    port = free_port()
+    args = ["serve", "--device", "cpu", "--model", str(tiny_model_file), "--port", str(port)]
+    env = {**os.environ, "GRADIO_TEMP_DIR": str(tmp_path / "cache")}
+    proc = start_sat(args, tmp_path, env=env)
+    try:
+        first = proc.stdout.readline()  # the address, once it serves
+        assert first == f"Running on local URL:  http://127.0.0.1:{port}\n", first
+        url = f"http://127.0.0.1:{port}"
+        for path in ("/", "/config", "/gradio_api/info"):  # what the page loads first
+            assert urllib.request.urlopen(url + path, timeout=60).status == 200
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    lines = (first + out + err).splitlines()
+    own = re.compile(r"(INFO|WARNING|warning): |Running on local URL:  http://")
+    assert all(own.match(line) for line in lines), lines
+    assert not any("share=True" in line or "HTTP Request" in line for line in lines)
+
+
+def test_a_heic_upload_gets_a_preview_the_browser_can_show(
+    service: CaptionService, tmp_path, monkeypatch
+):
+    """Browsers show no HEIC: the page shows the upload decoded by the project's own reader
+    (as the captioner reads it) beside the input panel; other photos get none."""
+    from showattendtell.service.cache import CacheBound
+
+    pillow_heif = pytest.importorskip("pillow_heif")
+    monkeypatch.setattr(service, "cache", CacheBound(None))  # no page: every path an upload
+    heic = tmp_path / "phone.heic"
+    pillow_heif.from_pillow(Image.open(photo(0)).convert("RGB")).save(heic, quality=90)
+    shown = events.preview_upload(service, {"path": str(heic), "orig_name": "IMG_1.HEIC"})
+    assert shown["visible"] is True and "IMG_1.HEIC" in shown["label"]
+    preview = shown["value"]
+    expected = Image.open(photo(0)).convert("RGB")
+    assert preview.size == expected.size  # a small photo: not enlarged
+    diff = np.abs(np.asarray(preview, np.float32) - np.asarray(expected, np.float32)).mean()
+    assert diff < 8  # the photo, through HEIC's lossy coding
+    jpeg = {"path": str(photo(0)), "orig_name": "photo.jpg"}
+    assert events.preview_upload(service, jpeg)["visible"] is False
+    broken = tmp_path / "cut.heic"
+    broken.write_bytes(heic.read_bytes()[:100])  # the caption event says why; no preview
+    assert events.preview_upload(service, str(broken))["visible"] is False
+    # removed, or replaced by a photo the browser shows (an example): hidden
+    assert events.hide_preview(None)["visible"] is False
+    assert events.hide_preview(jpeg)["visible"] is False
+    assert events.hide_preview({"path": str(heic)}) == gr.skip()
+
+
+def test_the_preview_reads_only_uploads(service: CaptionService, tmp_path, monkeypatch):
+    """As the caption event: a path Gradio did not place in the page's cache is not opened."""
+    pillow_heif = pytest.importorskip("pillow_heif")
+    heic = tmp_path / "elsewhere.heic"
+    pillow_heif.from_pillow(Image.new("RGB", (64, 48), (200, 30, 30))).save(heic)
+    opened = []
+    monkeypatch.setattr(service.cache, "pages", [SimpleNamespace(temp_file_sets=[set()])])
+    monkeypatch.setattr("showattendtell.service.uploads.open_image", opened.append)
+    assert events.preview_upload(service, {"path": str(heic)})["visible"] is False
+    assert opened == []
+    app = build_app(service)
+    ids = {c["id"]: c["props"].get("elem_id") for c in app.config["components"]}
+    wired = [
+        d
+        for d in app.config["dependencies"]
+        if [ids.get(o) for o in d["outputs"]] == ["input-preview"]
+    ]
+    assert {("input-image", "upload"), ("input-image", "change")} == {
+        (ids.get(t[0]), t[1]) for d in wired for t in d["targets"]
+    }

@@ -83,22 +83,29 @@ def weight_label(x: float) -> str:
 LABELLED_BAR_WIDTH = 14 + 6 + 92  # the bar, a gap, its labels
 
 
-def labelled_colour_bar(height: int, vmax: float, cells: int) -> Image.Image:
+def labelled_bar_width(text: float = 1.0) -> int:
+    """The width of ``labelled_colour_bar`` with its labels ``text`` times the usual size."""
+    return 14 + 6 + round(92 * text)
+
+
+def labelled_colour_bar(height: int, vmax: float, cells: int, text: float = 1.0) -> Image.Image:
     """The colour scale with its numbers, as the web UI labels it: ``vmax`` at the top, 0 at
     the bottom, and a tick at the uniform weight 1/cells (attention spread evenly over the
-    grid) when it lies within the scale: colour near that tick means no focus at all."""
+    grid) when it lies within the scale: colour near that tick means no focus at all.
+    ``text``: the labels' size, times the usual 12 px."""
     bar_w, gap = 14, 6
-    out = Image.new("RGB", (LABELLED_BAR_WIDTH, height), "white")
+    size = round(12 * text)
+    out = Image.new("RGB", (labelled_bar_width(text), height), "white")
     out.paste(colour_bar(height, bar_w), (0, 0))
     draw = ImageDraw.Draw(out)
-    font, black, x = label_font(12), (0, 0, 0), bar_w + gap
+    font, black, x = label_font(size), (0, 0, 0), bar_w + gap
     draw.text((x, 0), weight_label(vmax), fill=black, font=font)
-    draw.text((x, height - 14), "0", fill=black, font=font)
+    draw.text((x, height - size - 2), "0", fill=black, font=font)
     uniform = 1.0 / max(cells, 1)
-    if uniform <= vmax and height >= 60:
+    if uniform <= vmax and height >= 5 * size:
         y = round((1 - uniform / vmax) * (height - 1))
         draw.line([(0, y), (bar_w + 2, y)], fill=black, width=2)
-        ty = min(max(y - 7, 16), height - 30)  # clear of the top and bottom labels
+        ty = min(max(y - size // 2 - 1, size + 4), height - 2 * size - 6)  # clear of the others
         draw.text((x, ty), f"uniform 1/{cells}", fill=black, font=font)
     return out
 
@@ -133,19 +140,30 @@ SHEET_SOURCE_SIZE = 5 * (200 + 8)  # the widest a caption sheet shows the photo 
 
 
 def caption_sheet(
-    image: Image.Image, result: CaptionResult, panel: int = 200, columns: int = 5
+    image: Image.Image,
+    result: CaptionResult,
+    panel: int = 200,
+    columns: int = 5,
+    text: float = 1.0,
 ) -> Image.Image:
     """The image and its caption on top, then a grid of word panels labelled with each word and
     its largest weight. One colour scale for the whole caption (0 to the largest weight of any
     word), labelled on the bar with that weight and the uniform level: a word whose attention
-    is spread evenly stays pale instead of being stretched to look as focused as any other."""
+    is spread evenly stays pale instead of being stretched to look as focused as any other.
+    ``text``: the lettering's size, times the usual (16 px labels, a 20 px caption): the web
+    page's sheet for a phone screen is narrow with large lettering, to be read at 400 px. A
+    label wider than its panel puts the weight on a second line."""
     image = image.convert("RGB")
     maxima = [float(np.max(a)) for a in result.attention]
     vmax = max(maxima, default=1.0)
     panels = word_panels(image, result, panel, vmax=vmax)
     pw = max([p.width for p in panels], default=panel)
     ph = max([p.height for p in panels], default=panel)
-    label_h, pad = 26, 8
+    pad = 8
+    font, line = label_font(round(16 * text)), round(20 * text)
+    labels = [(word, weight_label(m)) for word, m in zip(result.words, maxima, strict=True)]
+    fits = all(font.getlength(f"{w}  {x}") <= pw for w, x in labels)
+    label_h = round(26 * text) if fits else line + round(26 * text)
     cols = max(1, min(columns, len(panels)))
     rows = (len(panels) + cols - 1) // cols
     # the photo as large as the band of panels and SHEET_PHOTO_HEIGHT allow: a small photo (a
@@ -156,29 +174,46 @@ def caption_sheet(
         (max(1, round(image.width * top_scale)), max(1, round(image.height * top_scale))),
         Image.Resampling.BICUBIC,
     )
-    width = max(cols * (pw + pad) + pad + LABELLED_BAR_WIDTH + pad, top.width + 2 * pad)
-    cap_h = 40
+    bar_w = labelled_bar_width(text)
+    width = max(cols * (pw + pad) + pad + bar_w + pad, top.width + 2 * pad)
+    cap_font, cap_line = label_font(round(20 * text)), round(26 * text)
+    caption = wrapped(result.caption or "(empty caption)", cap_font, width - 2 * pad)
+    cap_h = round(14 * text) + len(caption) * cap_line
     height = pad + top.height + cap_h + rows * (ph + label_h + pad) + pad
     sheet = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     sheet.paste(top, (pad + (band - top.width) // 2, pad))  # centred over the panels
-    draw.text(
-        (pad, pad + top.height + 8),
-        result.caption or "(empty caption)",
-        fill=(0, 0, 0),
-        font=label_font(20),
-    )
+    for k, words in enumerate(caption):
+        y = pad + top.height + round(8 * text) + k * cap_line
+        draw.text((pad, y), words, fill=(0, 0, 0), font=cap_font)
     y0 = pad + top.height + cap_h
-    for i, (p, word) in enumerate(zip(panels, result.words, strict=True)):
+    for i, (p, (word, weight)) in enumerate(zip(panels, labels, strict=True)):
         r, c = divmod(i, cols)
         x, y = pad + c * (pw + pad), y0 + r * (ph + label_h + pad)
-        draw.text((x, y), f"{word}  {weight_label(maxima[i])}", fill=(0, 0, 0), font=label_font(16))
+        if fits:
+            draw.text((x, y), f"{word}  {weight}", fill=(0, 0, 0), font=font)
+        else:  # a word still wider than its panel in smaller letters, not cut by the next
+            wide = font.getlength(word) > pw
+            size = max(8, int(round(16 * text) * pw / font.getlength(word))) if wide else 0
+            draw.text((x, y), word, fill=(0, 0, 0), font=label_font(size) if wide else font)
+            draw.text((x, y + line), weight, fill=(0, 0, 0), font=font)
         sheet.paste(p, (x, y + label_h))
     if panels:
         cells = int(np.asarray(result.attention[0]).size)
-        bar = labelled_colour_bar(rows * (ph + label_h + pad) - pad, vmax, cells)
-        sheet.paste(bar, (width - LABELLED_BAR_WIDTH - pad, y0))
+        bar = labelled_colour_bar(rows * (ph + label_h + pad) - pad, vmax, cells, text)
+        sheet.paste(bar, (width - bar_w - pad, y0))
     return sheet
+
+
+def wrapped(text: str, font: ImageFont.ImageFont, width: float) -> list[str]:
+    """``text`` in lines no wider than ``width`` (broken between words; a longer word alone)."""
+    lines: list[str] = []
+    for word in text.split() or [text]:
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines
 
 
 def overlay_names(paths: list[str]) -> dict[str, str]:
