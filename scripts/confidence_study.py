@@ -42,7 +42,13 @@ from showattendtell.search import confidence
 from showattendtell.search.confidence import ConfidenceFit, ConfidenceFits
 
 sys.path.insert(0, str(Path(__file__).parent))
-from familiarity_study import _save, auroc, fit_logistic, per_image_cider  # noqa: E402
+from familiarity_study import (  # noqa: E402
+    _save,
+    auroc,
+    fit_logistic,
+    per_image_cider,
+    study_parser,
+)
 
 FOLDS = 5
 RECALL_GOAL = 0.5  # the warning reaches at least this share of the bad captions ...
@@ -201,25 +207,9 @@ def warning_cells(conf: np.ndarray, bad: np.ndarray, t: float) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--model", default=None, help="model file or name (default: the default)")
-    p.add_argument("--flickr8k", type=Path, default=None, help="Flickr8k folder (dev split)")
-    p.add_argument(
-        "--coco",
-        action="append",
-        default=[],
-        metavar="DIR:SPLIT",
-        help="a COCO folder and its split (repeatable): one evaluation set together",
-    )
-    p.add_argument("--cache", type=Path, default=Path("runs/confidence"))
-    p.add_argument("--dev-photos", type=int, default=None, metavar="N", help="first N dev photos")
+    p = study_parser(__doc__, Path("runs/confidence"), flickr8k_required=False)
     p.add_argument("--coco-photos", type=int, default=None, metavar="N", help="first N COCO")
-    p.add_argument("--bad", type=float, default=0.3, help="per-image CIDEr below this is bad")
     p.add_argument("--folds", type=int, default=FOLDS)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default="auto")
     p.add_argument("--save", type=Path, default=None, help="write the fits (JSON) here")
     p.add_argument(
         "--bundled",

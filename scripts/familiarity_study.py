@@ -277,14 +277,21 @@ def words_against_objects(
 # --------------------------------------------------------------------------- main
 
 
-def _parser() -> argparse.ArgumentParser:
-    """The study's options; a parser of its own so that main can report a model without a
-    consensus index as a usage error."""
+def study_parser(doc: str, cache: Path, flickr8k_required: bool) -> argparse.ArgumentParser:
+    """The options this study and confidence_study.py share: the model, the evaluation sets
+    (Flickr8k dev, COCO folders), the cache of their captions, what counts as bad, the batch
+    size and device. ``doc``: the script's docstring, whose first paragraph is the help's."""
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default=None, help="model file or name (default: the default)")
-    p.add_argument("--flickr8k", type=Path, required=True, help="Flickr8k folder (dev split)")
+    p.add_argument(
+        "--flickr8k",
+        type=Path,
+        required=flickr8k_required,
+        default=None,
+        help="Flickr8k folder (dev split)",
+    )
     p.add_argument(
         "--coco",
         action="append",
@@ -292,7 +299,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR:SPLIT",
         help="a COCO folder and its split (repeatable): one evaluation set together",
     )
-    p.add_argument("--cache", type=Path, default=Path("runs/familiarity"))
+    p.add_argument("--cache", type=Path, default=cache)
     p.add_argument(
         "--dev-photos",
         type=int,
@@ -304,6 +311,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default="auto")
     return p
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The study's options; a parser of its own so that main can report a model without a
+    consensus index as a usage error."""
+    return study_parser(__doc__, Path("runs/familiarity"), flickr8k_required=True)
 
 
 def evaluation_sets(

@@ -44,17 +44,24 @@ LOCAL_IMPORTS_ALLOWED = {
     "showattendtell.captioning.catalog": "names models torch-free (`sat models`, `sat serve`'s "
     "checks); describing a model file's contents needs the model file reader",
     "showattendtell.cli.main": "each subcommand's module is imported when it runs",
-    "showattendtell.cli.caption": "its run imports the job once the cheap checks passed",
     "showattendtell.cli.models": "its run imports the model file reader",
+    "showattendtell.cli.export_job": "Lightning (seconds to import) only to read a training "
+    "checkpoint: re-exporting a model file never imports it",
     "showattendtell.service.serve": "its run imports the app once the checks passed",
     "showattendtell.service.server": "the page (Gradio) is imported only when it is served: "
     "`sat serve --api-only` never imports Gradio",
-    # Parsers whose run-time helpers still import what each needs (torch, the model, the
-    # metrics) where it is used: split into a parser and a job as `sat caption` is, each
-    # would import its job once.
-    "showattendtell.cli.evaluate": "the parser of `sat evaluate`: torch-free at import",
-    "showattendtell.cli.export": "the parser of `sat export`: torch-free at import",
     "showattendtell.cli.train_checks": "`sat train`'s checks run before Lightning is imported",
+}
+
+# A subcommand split into a torch-free parser and its job: the parser's function-local imports
+# of the project are its job modules, and nothing else (its checks import at the top).
+JOBS = {
+    "showattendtell.cli.caption": {
+        "showattendtell.cli.caption_job",
+        "showattendtell.cli.caption_ray",
+    },
+    "showattendtell.cli.evaluate": {"showattendtell.cli.evaluate_job"},
+    "showattendtell.cli.export": {"showattendtell.cli.export_job"},
 }
 
 
@@ -169,8 +176,17 @@ def test_the_public_api_imports_nothing_from_the_cli():
 
 def test_function_local_imports_of_the_project_are_the_named_exceptions():
     _, local = graph()
-    unexpected = {m: t for m, t in local.items() if m not in LOCAL_IMPORTS_ALLOWED}
+    named = LOCAL_IMPORTS_ALLOWED.keys() | JOBS.keys()
+    unexpected = {m: t for m, t in local.items() if m not in named}
     assert unexpected == {}, "import these at the top, or name the reason in this test"
+
+
+@pytest.mark.parametrize("parser", sorted(JOBS))
+def test_a_parser_imports_its_job_and_nothing_else_in_a_function(parser):
+    _, local = graph()
+    jobs = JOBS[parser]
+    packages = {job.rpartition(".")[0] for job in jobs}  # `from showattendtell.cli import job`
+    assert set(local.get(parser, ())) - packages == jobs
 
 
 @pytest.mark.parametrize("module", sorted(LOCAL_IMPORTS_ALLOWED))

@@ -7,17 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu_report import PARTS
+
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = (
-    "agreement",
-    "captioning",
-    "training",
-    "startup",
-    "decoding",
-    "sat_train",
-    "bulk",
-    "service",
-)
 
 
 @pytest.mark.slow

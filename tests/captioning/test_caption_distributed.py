@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers.data import ROOT, SHARED
 from helpers.photos import link_photos
-from helpers.processes import start_sat
+from helpers.processes import start_sat, wait_for_records
 
 from showattendtell.captioning.distributed import share_batches
 from showattendtell.cli.main import main
@@ -120,23 +120,12 @@ def rank_pid(mark: str, rank: int) -> int:
     raise AssertionError(f"no process of rank {rank} in {procs}")
 
 
-def wait_for_records(path: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.is_file() and path.read_bytes().count(b"\n") >= n:
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"sat caption ended before {n} records: {proc.communicate()[1]}")
-        time.sleep(0.02)
-    pytest.fail(f"no {n} records in {timeout} s")
-
-
 def stop_midway(args: list[str], cwd: Path, out: Path, stop: str, kept: int, want) -> int:
     """`sat caption ARGS`, stopped by ``stop`` once ``out`` holds 8 records more than ``kept``:
     every process ends, and what is left is a prefix of ``want``. Returns its length."""
     mark = uuid.uuid4().hex
     proc = sat_caption(args, cwd, mark, start_new_session=True)
-    wait_for_records(out, kept + 8, proc)
+    wait_for_records(out, kept + 8, proc, timeout=240)
     if stop == "kill all":
         os.killpg(proc.pid, signal.SIGKILL)
     elif stop == "ctrl-c":

@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from helpers.data import ROOT
 from helpers.photos import write_photos
-from helpers.processes import start_sat
+from helpers.processes import start_sat, wait_for_records
 
 from showattendtell.cli.main import main
 
@@ -174,17 +172,6 @@ def test_a_killed_actor_and_a_killed_decoding_task_cost_nothing(
     assert got == sorted(one_process, key=lambda r: r["path"])
 
 
-def wait_for_records(path: Path, n: int, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.is_file() and path.read_bytes().count(b"\n") >= n:
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"sat caption ended before {n} records: {proc.communicate()[1]}")
-        time.sleep(0.05)
-    pytest.fail(f"no {n} records in {timeout} s")
-
-
 @pytest.mark.slow
 def test_a_killed_driver_resumes(photos, one_process, tiny_model_file, cluster):
     """The driver killed (SIGKILL) once records are written: they are whole and in input order,
@@ -194,7 +181,7 @@ def test_a_killed_driver_resumes(photos, one_process, tiny_model_file, cluster):
     args[args.index("4")] = "1"  # batches of one photo: slow enough to stop midway
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = start_sat(["caption", *args], photos.parent, env=env)
-    wait_for_records(out, 3, proc)
+    wait_for_records(out, 3, proc, timeout=600)
     proc.kill()
     proc.communicate(timeout=60)
     kept = records(out)

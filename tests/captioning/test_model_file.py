@@ -145,10 +145,10 @@ def test_a_file_that_is_no_model_is_a_one_line_usage_error(kind, tmp_path, monke
 def test_every_command_that_reads_a_model_refuses_one_that_is_not(
     tiny_model_file, synthetic_flickr, tmp_path, monkeypatch, capsys
 ):
+    from showattendtell.cli import evaluate_job
     from showattendtell.cli.main import main
-    from showattendtell.evaluation import metrics
 
-    monkeypatch.setattr(metrics, "require_java", lambda *args, **kwargs: None)
+    monkeypatch.setattr(evaluate_job, "require_java", lambda *args, **kwargs: None)
     text, _ = _not_a_model("text", tmp_path)
     evaluate = ["evaluate", "--dataset", "flickr8k", "--root", str(synthetic_flickr), "--split"]
     commands = [

@@ -4,7 +4,6 @@ torch.hub entry points of hubconf.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.photos import write_photos
+from helpers.scripts import REPO, load_file
 
 from showattendtell import Captioner
 from showattendtell.captioning.catalog import ModelNotFound, bundled_models
@@ -19,8 +19,6 @@ from showattendtell.captioning.pretrained import PretrainedError
 from showattendtell.cli.main import main
 from showattendtell.errors import UsageError
 from showattendtell.model_file import read_model
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +149,7 @@ def test_from_pretrained_takes_a_bundled_models_name():
 
 def test_hubconf_has_one_entry_per_bundled_model_and_loads_a_captioner():
     # what torch.hub.list and torch.hub.help read (they take GitHub repositories only)
-    spec = importlib.util.spec_from_file_location("hubconf", REPO / "hubconf.py")
-    hubconf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hubconf)
+    hubconf = load_file(REPO / "hubconf.py")
     entries = [n for n in dir(hubconf) if callable(getattr(hubconf, n)) and not n.startswith("_")]
     assert sorted(entries) == sorted(p.stem for p in bundled_models())
     assert "flickr8k_lite2_soft" in hubconf.flickr8k_lite2_soft.__doc__

@@ -9,14 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers.photos import photos
-from helpers.processes import start_sat
+from helpers.processes import start_sat, wait_for_records
 from PIL import Image
 
 from showattendtell.captioning.overlays import overlay_names
@@ -286,20 +285,6 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     return start_sat(["caption", *args], cwd, start_new_session=True)
 
 
-def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 240) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.is_file():
-            count = path.read_bytes().count(b"\n")
-            if count >= n:
-                return count
-        if proc.poll() is not None:
-            pytest.fail(f"sat caption ended before {n} lines: {proc.communicate()[1]}")
-        time.sleep(0.01)
-    proc.kill()
-    pytest.fail(f"no {n} lines in {timeout} s")
-
-
 @pytest.mark.slow
 def test_interrupt_kill_and_resume(tiny_model_file, tmp_path, monkeypatch):
     """Killed (SIGKILL), then interrupted (Ctrl-C), then resumed: every image exactly once."""
@@ -313,14 +298,14 @@ def test_interrupt_kill_and_resume(tiny_model_file, tmp_path, monkeypatch):
     args = ["many", "-r", "-o", "out.jsonl", *slow_run(tiny_model_file)]
 
     proc = _start(args, tmp_path)
-    _wait_for_lines(out, 3, proc)
+    wait_for_records(out, 3, proc, timeout=240)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
     after_kill = read_jsonl(out)
     assert 3 <= len(after_kill) < 24
 
     proc = _start([*args, "--resume"], tmp_path)
-    _wait_for_lines(out, len(after_kill) + 3, proc)
+    wait_for_records(out, len(after_kill) + 3, proc, timeout=240)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -354,7 +339,7 @@ def test_a_second_process_on_the_same_output_is_refused(
     args = ["few", "-o", "out.jsonl", *slow_run(tiny_model_file, workers=0)]
     proc = _start(args, tmp_path)
     try:
-        _wait_for_lines(out, 1, proc)
+        wait_for_records(out, 1, proc, timeout=240)
         monkeypatch.chdir(tmp_path)
         for extra in ([], ["--resume"]):
             assert main(["caption", *args, *extra]) == 2
@@ -384,7 +369,7 @@ def test_sigterm_says_how_to_resume(tiny_model_file, tmp_path, monkeypatch):
     args = ["many", "-o", "out.jsonl", "--overwrite", *slow_run(tiny_model_file)]
     proc = _start(args, tmp_path)
     try:
-        _wait_for_lines(out, 3, proc)
+        wait_for_records(out, 3, proc, timeout=240)
         os.kill(proc.pid, signal.SIGTERM)  # the process only, as `kill PID` does
         _, err = proc.communicate(timeout=60)
     finally:

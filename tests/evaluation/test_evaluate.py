@@ -16,6 +16,7 @@ from helpers.data import (
 from helpers.evaluate import evaluate_argv
 from helpers.marks import needs_java
 
+from showattendtell.cli import evaluate_job
 from showattendtell.cli.main import main
 from showattendtell.evaluation import metrics
 
@@ -174,12 +175,11 @@ def test_an_unwritable_output_is_refused_before_any_photo_is_read(
 ):
     """Root may write anywhere chmod allows, so the tests use places no one can write: a path
     whose folder would have to be a file, and /proc."""
-    from showattendtell.cli import evaluate
 
     def never(*args, **kwargs):
         raise AssertionError("captioning started")
 
-    monkeypatch.setattr(evaluate, "caption_split", never)
+    monkeypatch.setattr(evaluate_job, "caption_split", never)
     (tmp_path / "notes").write_text("a file, not a folder\n")
     out = (
         tmp_path / "notes" / "sub" / "r.json"
@@ -215,16 +215,14 @@ def test_scores_are_printed_when_the_results_cannot_be_written(
     where the captions were kept instead (and the partial captions stay, for --resume)."""
     import errno
 
-    from showattendtell.cli import evaluate
-
-    write = evaluate.write_json_atomic
+    write = evaluate_job.write_json_atomic
 
     def full_disk(path, data):
         if path != out:  # the partial captions' settings, written at the start
             return write(path, data)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(evaluate, "write_json_atomic", full_disk)
+    monkeypatch.setattr(evaluate_job, "write_json_atomic", full_disk)
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     import tempfile
@@ -272,7 +270,7 @@ def test_a_results_file_gets_the_usual_permissions(tmp_path):
     under umask 022, as a file made by open() would be."""
     import os
 
-    from showattendtell.cli.evaluate import write_json_atomic
+    from showattendtell.cli.evaluate_captions import write_json_atomic
 
     old = os.umask(0o022)
     try:
@@ -284,7 +282,7 @@ def test_a_results_file_gets_the_usual_permissions(tmp_path):
 
 def no_java_needed(monkeypatch) -> None:
     """Skip the Java check: these runs stop before anything is scored."""
-    monkeypatch.setattr(metrics, "require_java", lambda *args, **kwargs: None)
+    monkeypatch.setattr(evaluate_job, "require_java", lambda *args, **kwargs: None)
 
 
 @pytest.mark.parametrize(
@@ -366,7 +364,6 @@ def test_instances_of_other_photo_sizes_are_warned_about_once(
     are stretched, right only for resized copies of the annotated photos: one warning names
     the first photo that differs and both sizes, before any captioning. A photo annotated as
     shown (turned by its EXIF orientation) is not one of them."""
-    from showattendtell.cli import evaluate
 
     class Stop(Exception):
         pass
@@ -375,7 +372,7 @@ def test_instances_of_other_photo_sizes_are_warned_about_once(
         raise Stop
 
     no_java_needed(monkeypatch)
-    monkeypatch.setattr(evaluate, "caption_split", stop)
+    monkeypatch.setattr(evaluate_job, "caption_split", stop)
     sizes = [(40, 30)] * 4
     annotated = [(40, 30), (30, 40), (80, 60), (30, 30)]  # 2: shown turned; 3 and 4 differ
 
@@ -404,9 +401,7 @@ def test_instances_of_other_photo_sizes_are_warned_about_once(
 def interrupt_after(monkeypatch, n: int, stop: type[BaseException] = KeyboardInterrupt) -> list:
     """Captioning stops as on Ctrl-C (``stop``: KeyboardInterrupt) or SIGTERM (Terminated)
     after ``n`` records; returns the lists of photos each later run was asked to caption."""
-    from showattendtell.captioning import pipeline
-
-    real = getattr(pipeline.caption_files, "unwrapped", pipeline.caption_files)
+    real = getattr(evaluate_job.caption_files, "unwrapped", evaluate_job.caption_files)
     asked: list[list[str]] = []
 
     def caption_files(captioner, paths, *args, **kwargs):
@@ -417,7 +412,7 @@ def interrupt_after(monkeypatch, n: int, stop: type[BaseException] = KeyboardInt
             yield rec
 
     caption_files.unwrapped = real
-    monkeypatch.setattr(pipeline, "caption_files", caption_files)
+    monkeypatch.setattr(evaluate_job, "caption_files", caption_files)
     return asked
 
 
@@ -503,12 +498,12 @@ def test_a_second_run_on_the_same_output_stops_in_one_line(
     second run on that --output, fresh or --resume, exits 2 in one line and leaves both files
     byte for byte, before the model loads; once the lock goes, --resume goes on."""
     fcntl = pytest.importorskip("fcntl")
-    from showattendtell.captioning import captioner as inference
-
     no_java_needed(monkeypatch)
     loads = []
-    load = inference.load_model
-    monkeypatch.setattr(inference, "load_model", lambda *a, **k: loads.append(a) or load(*a, **k))
+    load = evaluate_job.load_model
+    monkeypatch.setattr(
+        evaluate_job, "load_model", lambda *a, **k: loads.append(a) or load(*a, **k)
+    )
     root = write_flickr8k_folder(tmp_path / "f8k", n_train=2, n_dev=4)
     out, partial = tmp_path / "r.json", tmp_path / "r.json.partial.jsonl"
     settings = tmp_path / "r.json.partial.json"
@@ -595,7 +590,7 @@ def test_an_output_that_is_no_regular_file_is_written_not_replaced(tmp_path):
     import stat
     import threading
 
-    from showattendtell.cli.evaluate import write_json_atomic
+    from showattendtell.cli.evaluate_captions import write_json_atomic
 
     fifo = tmp_path / "results.fifo"
     os.mkfifo(fifo)
@@ -626,7 +621,7 @@ def test_stopped_while_scoring_says_where_the_captions_are_and_resume_scores_the
     def stopped(*args, **kwargs):
         raise Terminated()
 
-    monkeypatch.setattr(metrics, "score_captions", stopped)
+    monkeypatch.setattr(evaluate_job, "score_captions", stopped)
     assert main(argv) == 143
     err = capsys.readouterr().err
     assert err.endswith(
@@ -639,7 +634,7 @@ def test_stopped_while_scoring_says_where_the_captions_are_and_resume_scores_the
     assert main(argv) == 2  # without --resume the kept captions are not thrown away
     capsys.readouterr()
     asked = interrupt_after(monkeypatch, 99)
-    monkeypatch.setattr(metrics, "score_captions", lambda *a, **k: dict.fromkeys(KEYS, 0.5))
+    monkeypatch.setattr(evaluate_job, "score_captions", lambda *a, **k: dict.fromkeys(KEYS, 0.5))
     assert main([*argv, "--resume"]) == 0
     resumed = capsys.readouterr()
     assert all(not photos for photos in asked)  # nothing captioned again

@@ -1,5 +1,5 @@
-"""What tests that start processes share: a free local port, Ctrl-C as a terminal has it, and
-`sat` started as a child process."""
+"""What tests that start processes share: a free local port, Ctrl-C as a terminal has it,
+`sat` started as a child process, and waiting for the records it writes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 
 def free_port() -> int:
@@ -39,3 +42,18 @@ def start_sat(args: list[str], cwd: Path, **popen) -> subprocess.Popen:
         preexec_fn=default_sigint,
         **popen,
     )
+
+
+def wait_for_records(path: Path, n: int, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until ``path`` holds ``n`` lines (records) that ``proc`` wrote; a test failure when
+    ``proc`` ends first (with its standard error) or after ``timeout`` seconds (``proc``
+    killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file() and path.read_bytes().count(b"\n") >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"sat caption ended before {n} records: {proc.communicate()[1]}")
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail(f"no {n} records in {timeout} s")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.photos import write_photos
+from helpers.scripts import load_script
 
 from showattendtell.captioning.captioner import load_model
 from showattendtell.captioning.catalog import bundled_models
@@ -242,17 +243,6 @@ def test_min_confidence_sends_low_captions_to_a_file_beside_and_resumes(
     assert out_csv.read_text().splitlines()[0] == (tmp_path / "out.low.csv").read_text().split()[0]
 
 
-def _study():
-    """scripts/confidence_study.py as a module (scripts/ is no package)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "confidence_study.py"
-    spec = importlib.util.spec_from_file_location("confidence_study", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_study_runs_end_to_end_and_reuses_its_cache(
     tiny_model_file, synthetic_flickr, tmp_path, monkeypatch, capsys
 ):
@@ -260,7 +250,7 @@ def test_the_study_runs_end_to_end_and_reuses_its_cache(
     signals from the cache; --save writes fits that a model file can store."""
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     monkeypatch.setattr(sys, "argv", ["scripts/confidence_study.py"])
-    study, threads = _study(), torch.get_num_threads()
+    study, threads = load_script("confidence_study"), torch.get_num_threads()
     argv = [
         "--model",
         str(tiny_model_file),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.photos import write_photos
+from helpers.scripts import load_script
 from PIL import Image
 
 from showattendtell.captioning.captioner import CaptionResult, load_model
@@ -246,20 +247,8 @@ def test_resume_keeps_a_csv_file_written_before_the_familiarity_column(tiny_mode
     assert lines[2].startswith(photos[1]) and lines[2].count(",") == 5  # the file's own layout
 
 
-def _study():
-    """scripts/familiarity_study.py as a module (scripts/ is no package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "familiarity_study.py"
-    spec = importlib.util.spec_from_file_location("familiarity_study", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_studys_auroc_and_logistic_regression():
-    study = _study()
+    study = load_script("familiarity_study")
     rng = np.random.default_rng(3)
     bad = rng.random(300) < 0.4
     risk = rng.normal(size=300) + bad + np.round(rng.random(300))  # with ties
@@ -312,7 +301,7 @@ def test_the_study_runs_end_to_end_and_reuses_its_cache(
     ]
     monkeypatch.chdir(root)
     monkeypatch.setattr(sys, "argv", argv)
-    study, threads = _study(), torch.get_num_threads()
+    study, threads = load_script("familiarity_study"), torch.get_num_threads()
     capsys.readouterr()
     try:
         study.main()

@@ -638,14 +638,11 @@ def _exit_status(
         )
         return 1
     _summary(
+        plan,
+        args,
         written.ok,
         written.failures,
-        plan.skipped,
-        len(plan.todo),
         bool(interrupted),
-        args.output,
-        resume_command(args),
-        "-" in args.paths,
         unreadable=plan.unreadable,
         no_sheet=written.no_sheet,
     )
@@ -680,22 +677,23 @@ def _formatted(
 
 
 def _summary(
+    plan: Plan,
+    args: argparse.Namespace,
     ok: int,
     failures: list[Record],
-    skipped: int,
-    total: int,
     interrupted: bool,
-    output: str | None,
-    command: str | None = None,
-    stdin: bool = False,
     show: int = 10,
     unreadable: int = 0,
     no_sheet: list[tuple[str, str]] | tuple = (),
 ) -> None:
-    """The end-of-run report on standard error: counts, then the failed files and why; an
-    interrupted run says how to finish it (the command, as `sat train` does). Folders that
-    could not be read and overlay sheets that could not be written count as failures too:
-    work that is missing is never reported as done."""
+    """The end-of-run report on standard error of a run of ``plan`` (one process or Ray):
+    counts, then the failed files and why; an interrupted run says how to finish it (the
+    command, as `sat train` does). Folders that could not be read and overlay sheets that could
+    not be written count as failures too: work that is missing is never reported as done.
+    ``unreadable``: the sub-folders not read, which the one-process engine counts (Ray's does not
+    yet: its exit status ignores them)."""
+    skipped, total, output = plan.skipped, len(plan.todo), args.output
+    command, stdin = resume_command(args), "-" in args.paths
     parts = [f"captioned {ok}", f"failed {len(failures)}"]
     if no_sheet:
         parts.append(f"no overlay sheet for {len(no_sheet)} (their captions are written)")

@@ -46,7 +46,6 @@ from showattendtell.cli.caption_job import (
     _nothing_to_do,
     _plan,
     _summary,
-    resume_command,
 )
 from showattendtell.cli.common import decoding_overrides, warn_ignored_decoding
 from showattendtell.errors import Terminated, UsageError, UserError, sigterm_as_ctrl_c
@@ -338,16 +337,7 @@ def _caption(args, plan, resume, fmt, decoding, made_by, folder: bool, next_shar
             file=sys.stderr,
         )
         return 1
-    _summary(
-        ok,
-        failures,
-        plan.skipped,
-        len(plan.todo),
-        bool(interrupted),
-        args.output,
-        resume_command(args),
-        "-" in args.paths,
-    )
+    _summary(plan, args, ok, failures, bool(interrupted))
     if interrupted:
         return interrupted
     return 1 if failures else 0

@@ -264,6 +264,16 @@ class PartialCaptions:
         return f"run the same command with --resume to {verb.split()[0]}"
 
 
+def scored_again(output: Path, resume: bool) -> bool:
+    """Whether --resume may replace an existing ``output``: it holds the captions of a run
+    stopped while scoring (or before), which are also kept in its partial file, so rewriting
+    it from them loses nothing. Any other existing file still needs --overwrite."""
+    if not resume:
+        return False
+    kept = PartialCaptions(output).path
+    return kept is not None and kept.is_file() and kept.stat().st_size > 0
+
+
 def settings(args: argparse.Namespace, decoding: DecodingConfig, attention: bool) -> dict:
     """What the captions depend on, so that --resume reuses only captions made the same way:
     the model files, the split, --precision and the decoding settings in effect; not

@@ -1,7 +1,12 @@
 """`sat export`: a training checkpoint -> a self-describing, pickle-free model file; or a model
 file -> the same weights with other stored decoding defaults (e.g. the bundled models'
 ``--no-repeat-ngram 2``); either as an ONNX model folder with ``--format onnx``
-(captioning/onnx_export.py)."""
+(captioning/onnx_export.py).
+
+This module is the parser and the checks that need nothing loaded; the job (export_job.py) is
+imported once they pass, before the checkpoint (gigabytes, minutes on a network disk) is read.
+It stays import-light (no torch): the CLI imports it to build its parser.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,10 @@ import importlib.util
 import json
 from pathlib import Path
 
+from showattendtell.captioning.catalog import named_models, resolve_model
 from showattendtell.cli.common import add_decoding_args, decoding_overrides
-from showattendtell.data.datasets import list_datasets
+from showattendtell.cli.train_checks import check_dataset_root
+from showattendtell.data.datasets import check_split_name, list_datasets
 from showattendtell.errors import UsageError
 from showattendtell.outputs import OutputError, check_new_output
 
@@ -106,101 +113,16 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from showattendtell.model_file import ModelFileError, save_model
-    from showattendtell.search.decoding import DecodingConfig
-
-    # every argument that can be checked without reading the checkpoint (gigabytes, minutes
-    # on a network disk) is checked first
+    """The cheap checks first (every argument that can be checked without reading the
+    checkpoint), then the job and its imports."""
     overrides = decoding_overrides(args)
     output = _check_output(args)
     _check_source(args.checkpoint)
     interpolate, alpha = _check_interpolate(args)
     _check_consensus(args)
-    fits = _read_confidence(args.confidence)
-    try:  # a source that is no checkpoint or model file (a photo, a text) is a usage error
-        if Path(args.checkpoint).is_dir():  # a model folder (Captioner.save_pretrained)
-            model, stored = _read_folder(args.checkpoint)
-            decoding = stored.with_overrides(**overrides)
-            info = {"re_exported_from": str(args.checkpoint)}
-        elif _is_model_file(args.checkpoint):  # its weights, its stored decoding with overrides
-            from showattendtell.captioning.catalog import resolve_model
-            from showattendtell.model_file import read_model
+    from showattendtell.cli import export_job
 
-            model, stored, info = read_model(resolve_model(args.checkpoint))
-            decoding = stored.with_overrides(**overrides)
-            info = {**info, "re_exported_from": str(args.checkpoint)}
-        else:
-            from showattendtell.training.lit_module import load_checkpoint
-
-            decoding = DecodingConfig().with_overrides(**overrides)
-            module = load_checkpoint(args.checkpoint)
-            model = module.model
-            info = {"checkpoint": str(args.checkpoint), "epoch": module.checkpoint_epoch}
-    except ModelFileError as e:
-        raise UsageError(str(e)) from None
-    if interpolate is not None:
-        from showattendtell.model_file import read_model
-
-        start, _, _ = read_model(interpolate)
-        try:
-            model.interpolate_(start, alpha)
-        except ValueError as e:
-            raise ModelFileError(
-                f"cannot interpolate {args.checkpoint} with {args.interpolate}: {e}"
-            ) from None
-        info.update(interpolated_with=str(args.interpolate), alpha=alpha)
-    if args.consensus_root:
-        from showattendtell.captioning.consensus_index import build_index
-
-        model.consensus = build_index(
-            model,
-            args.consensus_dataset,
-            args.consensus_root,
-            args.consensus_split,
-            args.feature_cache,
-            args.consensus_neighbours,
-        )
-        info.update(
-            consensus=f"{args.consensus_dataset} {args.consensus_split} "
-            f"({len(model.consensus.references)} photos)"
-        )
-    if fits is not None:
-        model.confidence = fits
-    model.check_decoding(decoding)  # e.g. --rerank consensus without an index
-    if args.format == "onnx":
-        from showattendtell.captioning.onnx_export import export_onnx
-
-        try:
-            path = export_onnx(model, decoding, output, info)
-        except OSError as e:  # the export is written beside and renamed: nothing half-written
-            raise OutputError(f"cannot write {output}: {e.strerror or e}") from None
-        print(f"wrote {path}/ (ONNX: run it with sat caption --model {path})")
-        return 0
-    try:
-        path = save_model(model, output, decoding, half=args.half, info=info)
-    except OSError as e:  # a disk that filled up while exporting: the old file is untouched
-        output.with_name(output.name + ".tmp").unlink(missing_ok=True)
-        raise OutputError(f"cannot write {output}: {e.strerror or e}") from None
-    print(f"wrote {path}")
-    return 0
-
-
-def _read_confidence(path: str | None):
-    """--confidence's fits (confidence.ConfidenceFits), read and checked before the checkpoint
-    is; None without --confidence."""
-    if path is None:
-        return None
-    from showattendtell.search.confidence import ConfidenceFitError, ConfidenceFits
-
-    try:
-        return ConfidenceFits.from_json(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--confidence {path}: cannot read it ({e})") from None
-    except ConfidenceFitError as e:
-        raise UsageError(
-            f"--confidence {path}: not the fits that scripts/confidence_study.py --save "
-            f"writes ({e})"
-        ) from None
+    return export_job.run(args, output, overrides, interpolate, alpha)
 
 
 def _check_output(args: argparse.Namespace) -> Path:
@@ -249,8 +171,6 @@ def _check_onnx_output(args: argparse.Namespace, output: Path) -> None:
 def _check_source(source: str) -> None:
     """A checkpoint or model file that is not there (a typo) is a usage error, said for this
     command's argument rather than for `sat caption`'s --model."""
-    from showattendtell.captioning.catalog import named_models
-
     if not Path(source).exists() and source not in named_models():
         raise UsageError(
             f"checkpoint: {source} not found: give a .ckpt file that sat train wrote (e.g. "
@@ -261,8 +181,8 @@ def _check_source(source: str) -> None:
 
 def _check_interpolate(args: argparse.Namespace) -> tuple[Path | None, float]:
     """(--interpolate's model file, --alpha), checked before the checkpoint is read: the file is
-    there and is a model file (its header is read, not its weights), and the weight is one that
-    ``CaptionModel.interpolate_`` takes. (None, ...): no --interpolate."""
+    there (the job reads its header before the checkpoint: is it a model file?), and the weight
+    is one that ``CaptionModel.interpolate_`` takes. (None, ...): no --interpolate."""
     if args.interpolate is None:
         if args.alpha is not None:
             raise UsageError(
@@ -276,12 +196,7 @@ def _check_interpolate(args: argparse.Namespace) -> tuple[Path | None, float]:
             f"--alpha {alpha:g}: must be from 0 to 1 (the checkpoint's weight; "
             "--interpolate's model gets 1 - alpha)"
         )
-    from showattendtell.captioning.catalog import resolve_model
-    from showattendtell.model_file import describe_model
-
-    path = resolve_model(args.interpolate, "--interpolate")
-    describe_model(path)  # NotAModelFile: a photo, a text, a checkpoint, ...
-    return path, alpha
+    return resolve_model(args.interpolate, "--interpolate"), alpha
 
 
 def _check_consensus(args: argparse.Namespace) -> None:
@@ -299,9 +214,6 @@ def _check_consensus(args: argparse.Namespace) -> None:
                     f"too, or leave {flag} out"
                 )
         return
-    from showattendtell.cli.train_checks import check_dataset_root
-    from showattendtell.data.datasets import check_split_name
-
     root, dataset = args.consensus_root, args.consensus_dataset
     check_dataset_root("--consensus-root", root, dataset)
     check_split_name("--consensus-split", dataset, root, args.consensus_split)
@@ -325,30 +237,3 @@ def _check_feature_cache(folder: Path) -> None:
         "data.feature_cache"
     )
     raise UsageError(f"--feature-cache {folder}: no feature cache there (no meta.json); {hint}")
-
-
-def _read_folder(source: str):
-    """(model, stored decoding) of a model folder; an ONNX export has no weights to export."""
-    from showattendtell.captioning.catalog import FOLDER_CONFIG, resolve_model
-    from showattendtell.captioning.pretrained import folder_format, read_folder
-
-    if not (Path(source) / FOLDER_CONFIG).is_file():
-        raise UsageError(
-            f"checkpoint: {source} is a folder without a {FOLDER_CONFIG}: give a .ckpt file that "
-            "sat train wrote (e.g. runs/NAME/checkpoints/last.ckpt), a model file (.safetensors) "
-            "or a model folder (Captioner.save_pretrained)"
-        )
-    folder = resolve_model(source, "checkpoint")
-    if folder_format(folder) == ONNX_FORMAT:
-        raise UsageError(
-            f"checkpoint: {source} is an ONNX export: export from the model file it was made "
-            "from (a .safetensors file or a `sat models` name)"
-        )
-    model, stored, _ = read_folder(folder)
-    return model, stored
-
-
-def _is_model_file(source: str) -> bool:
-    from showattendtell.captioning.catalog import named_models
-
-    return source.endswith(".safetensors") or source in named_models()
