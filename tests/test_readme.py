@@ -232,7 +232,7 @@ def test_tiny_config_needs_a_data_root_and_says_so():
 def test_the_layout_names_every_module():
     layout = (ROOT / "docs/architecture.md").read_text().split("<!-- section: layout -->", 1)[1]
     package = ROOT / "src" / "showattendtell"
-    modules = [*package.glob("*.py"), *package.glob("cli/*.py"), *package.glob("data/*.py")]
+    modules = [*package.glob("*.py"), *package.glob("*/*.py"), *(ROOT / "service").glob("*.py")]
     for f in modules:
         if not f.stem.startswith("__"):
             assert f.name in layout, f.name
