@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers.data import ROOT
+from helpers.disk import refuse_listing
 from helpers.photos import write_photos
 from helpers.processes import start_sat, wait_for_records
 
@@ -75,6 +76,24 @@ def test_records_are_the_one_process_runs(photos, one_process, tiny_model_file, 
     assert main(sat_ray([str(photos), "-o", str(out)], tiny_model_file, cluster)) == 1
     assert records(out) == one_process  # field for field, in input order
     assert f"captioned {N}; failed 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_unreadable_sub_folder_is_counted_and_fails_the_run(
+    tmp_path, tiny_model_file, cluster, monkeypatch, capsys
+):
+    """As in one process: the folder is named, counted in the summary, and the exit status is 1."""
+    tree = tmp_path / "tree"
+    (tree / "locked").mkdir(parents=True)
+    write_photos(tree, 1, name="a.png")
+    write_photos(tree / "locked", 1, name="b.png")
+    refuse_listing(monkeypatch, tree / "locked")
+    out = tmp_path / "ray.jsonl"
+    assert main(sat_ray([str(tree), "-r", "-o", str(out)], tiny_model_file, cluster)) == 1
+    assert [Path(r["path"]).name for r in records(out)] == ["a.png"]
+    err = capsys.readouterr().err
+    assert "cannot read the folder" in err and "(permission denied)" in err
+    assert "captioned 1; failed 0; 1 folder could not be read" in err
 
 
 @pytest.mark.slow

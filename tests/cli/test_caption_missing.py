@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
+from helpers.disk import refuse_listing
 from helpers.photos import photos
 
 from showattendtell.cli import caption_job
@@ -22,28 +22,6 @@ def quick_run(model: Path) -> list[str]:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def refuse_listing(monkeypatch, folder: Path) -> None:
-    """``folder`` cannot be listed, as for a folder without read permission (chmod does not
-    stop root, and the tests may run as root): os.scandir (os.walk) and os.listdir
-    (Path.iterdir) say EACCES for it."""
-    scandir, listdir = os.scandir, os.listdir
-
-    def check(path) -> None:
-        if Path(os.fsdecode(path)).resolve() == folder.resolve():
-            raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(path))
-
-    def scandir_refusing(path="."):
-        check(path)
-        return scandir(path)
-
-    def listdir_refusing(path="."):
-        check(path)
-        return listdir(path)
-
-    monkeypatch.setattr(os, "scandir", scandir_refusing)
-    monkeypatch.setattr(os, "listdir", listdir_refusing)
 
 
 @pytest.fixture

@@ -1,9 +1,12 @@
-"""A disk that fills up, for the tests of what each writer does then (no tmpfs needed)."""
+"""A disk that fills up, for the tests of what each writer does then (no tmpfs needed), and a
+folder that cannot be listed."""
 
 from __future__ import annotations
 
 import errno
 import io
+import os
+from pathlib import Path
 
 
 class FillingFile(io.FileIO):
@@ -37,3 +40,25 @@ def filling(monkeypatch, module, whole: int) -> None:
         return stream
 
     monkeypatch.setattr(module, "open_output", open_output)
+
+
+def refuse_listing(monkeypatch, folder: Path) -> None:
+    """``folder`` cannot be listed, as for a folder without read permission (chmod does not
+    stop root, and the tests may run as root): os.scandir (os.walk) and os.listdir
+    (Path.iterdir) say EACCES for it."""
+    scandir, listdir = os.scandir, os.listdir
+
+    def check(path) -> None:
+        if Path(os.fsdecode(path)).resolve() == folder.resolve():
+            raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(path))
+
+    def scandir_refusing(path="."):
+        check(path)
+        return scandir(path)
+
+    def listdir_refusing(path="."):
+        check(path)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir_refusing)
+    monkeypatch.setattr(os, "listdir", listdir_refusing)

@@ -690,8 +690,7 @@ def _summary(
     counts, then the failed files and why; an interrupted run says how to finish it (the
     command, as `sat train` does). Folders that could not be read and overlay sheets that could
     not be written count as failures too: work that is missing is never reported as done.
-    ``unreadable``: the sub-folders not read, which the one-process engine counts (Ray's does not
-    yet: its exit status ignores them)."""
+    ``unreadable``: the sub-folders not read (both engines count them and exit 1)."""
     skipped, total, output = plan.skipped, len(plan.todo), args.output
     command, stdin = resume_command(args), "-" in args.paths
     parts = [f"captioned {ok}", f"failed {len(failures)}"]

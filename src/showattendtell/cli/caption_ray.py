@@ -337,7 +337,7 @@ def _caption(args, plan, resume, fmt, decoding, made_by, folder: bool, next_shar
             file=sys.stderr,
         )
         return 1
-    _summary(plan, args, ok, failures, bool(interrupted))
+    _summary(plan, args, ok, failures, bool(interrupted), unreadable=plan.unreadable)
     if interrupted:
         return interrupted
-    return 1 if failures else 0
+    return 1 if failures or plan.unreadable else 0
