@@ -25,6 +25,7 @@ from starlette.middleware import Middleware
 from . import drawing, events, options
 from .blocks import EXCEPTION_HANDLERS, ServiceBlocks, local_file_example
 from .cache import CacheBound
+from .capacity import gradio_threads
 from .captioning import api_caption
 from .guard import Guard, GuardMiddleware
 from .uploads import MAX_EXAMPLES
@@ -348,6 +349,7 @@ def prepare(
     service.max_upload_bytes = int(max_upload_mb * 2**20)
     minutes = DEFAULT_SESSION_MINUTES if session_minutes is None else session_minutes
     app = build_app(service, examples, concurrency=concurrency, session_ttl_s=minutes * 60)
+    app.max_threads = gradio_threads(concurrency)  # read by queue() and the app's start
     app.queue(max_size=queue_size)
     app.state_session_capacity = max_sessions  # what launch(state_session_capacity=) sets
     # one service may serve several pages (tests, a page with a login beside one without):
@@ -438,6 +440,7 @@ def launch(
         footer_links=["api"],
         auth=list(auth) if auth else None,
         prevent_thread_lock=not block,
+        max_threads=app.max_threads,  # launch() sets it again: prepare's, not its default
         quiet=not block if quiet is None else quiet,
         state_session_capacity=max_sessions,
         app_kwargs={

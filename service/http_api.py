@@ -83,7 +83,7 @@ def create_api(
         docs_url="/docs",
         redoc_url=None,
     )
-    app.state.metrics = Metrics(service)
+    app.state.metrics = Metrics(service, settings.concurrency)
     app.state.admission = Admission(settings.concurrency, settings.queue_size)
     app.state.guard = guard = guard or Guard()
     guard.require(settings.auth)

@@ -23,6 +23,7 @@ from showattendtell.search.decoding import DECODING_OPTIONS, DecodingConfig
 from showattendtell.search.options import check_overrides
 
 from .cache import CacheBound
+from .capacity import default_capacity
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,12 @@ class CaptionService:
     def queue_depth(self) -> int:
         """Photos waiting for the worker (not those in the batch it is captioning now)."""
         return self._waiting
+
+    @property
+    def device(self) -> str:
+        """The device the models run on, as torch names it ("cpu", "cuda:0"): the first model's
+        (`sat serve` loads them all on one)."""
+        return str(next(iter(self.captioners.values())).device)
 
     @property
     def names(self) -> list[str]:
@@ -234,11 +241,14 @@ def model_paths(specs: Sequence[str | Path] | None) -> list[list[Path]]:
 def load_service(
     specs: Sequence[str | Path] | None = None,
     device: str = "auto",
-    max_batch: int = 8,
+    max_batch: int | None = None,
     decoding: Mapping[str, Any] | None = None,
     precision: str = "32",
 ) -> CaptionService:
     """Load every model (named by file stem) onto ``device`` and start the worker.
+
+    ``max_batch``: the most photos captioned as one batch; None: the default of the device the
+    models loaded on (capacity.py: 64 on a GPU, 8 on the CPU).
 
     ``decoding``: options (None values: keep each model's stored one) that replace the stored
     defaults of every model; checked before any model loads.
@@ -259,4 +269,6 @@ def load_service(
             familiarity.for_index(captioner.model.consensus).reference()  # not on a request
         captioners[name] = captioner
         log.info("loaded %s (%s attention) on %s", name, captioner.attention_type, captioner.device)
+    if max_batch is None:
+        max_batch = default_capacity(str(next(iter(captioners.values())).device)).max_batch
     return CaptionService(captioners, max_batch=max_batch)
