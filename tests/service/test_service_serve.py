@@ -17,7 +17,6 @@ from showattendtell.search.decoding import DECODING_OPTIONS
 
 pytest.importorskip("gradio")
 from helpers.service import ROOT  # noqa: E402
-
 from showattendtell.service.auth import (  # noqa: E402
     AUTH_ENV,
     AuthError,
