@@ -496,7 +496,9 @@ def service(paths: list[str], device: str, quick: bool, seconds: float) -> dict[
             clients = (1,) if quick else SERVICE_CLIENTS
             _load(url, photos, 2, 4)  # warm-up: the first batches of a shape are slow on a GPU
             served = _served(url)  # the limits the device's defaults gave it
-            out.update(max_batch=served["sat_max_batch"], concurrency=served["sat_concurrency"])
+            out.update(
+                max_batch=int(served["sat_max_batch"]), concurrency=int(served["sat_concurrency"])
+            )
             for n in clients:
                 out[f"clients_{n}"] = run = _load(url, photos, n, 4 if quick else None, seconds)
                 after = _served(url)

@@ -134,6 +134,13 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32, help="requests per scenario")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=4, help="direct calls per batch size")
+    p.add_argument(
+        "--apis",
+        nargs="+",
+        choices=("http", "gradio"),
+        default=["http", "gradio"],
+        help="the APIs timed (default both; the page is served either way)",
+    )
     p.add_argument("serve_args", nargs="*", help="more `sat serve` options, after --")
     args = p.parse_args()
     import torch
@@ -155,12 +162,15 @@ def main() -> None:
     proc = start_sat_serve(port, [*serve, "--model", args.model] if args.model else serve)
     url = f"http://127.0.0.1:{port}"
     try:
-        for make in (HttpClient, GradioClient):  # warm-up: first-call allocations
+        apis = [
+            (n, m) for n, m in (("http", HttpClient), ("gradio", GradioClient)) if n in args.apis
+        ]
+        for _, make in apis:  # warm-up: first-call allocations
             warm = make(url, image)
             warm.request()
             warm.request()
         for clients in args.clients:
-            for name, make in (("http", HttpClient), ("gradio", GradioClient)):
+            for name, make in apis:
                 run = concurrent(make, url, image, args.requests, clients)
                 report["runs"][f"{name}_{clients}"] = run
                 print(f"{name}_{clients}", json.dumps(run), flush=True)  # as it goes
