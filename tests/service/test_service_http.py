@@ -320,7 +320,7 @@ def test_concurrent_clients(api: httpx.Client, service: CaptionService):
         answers = list(pool.map(one, range(8)))
     for i, r in enumerate(answers):
         assert r["caption"] == alone[i % 4]["caption"] and r["path"] == shots[i % 4].name
-    assert sum(service.batch_sizes[before:]) == 8
+    assert sum(list(service.batch_sizes)[before:]) == 8
 
 
 @contextmanager
