@@ -33,7 +33,8 @@ batches. Parts, each also a field of the JSON line:
 - ``service``: `sat serve --api-only` (the HTTP API without Gradio, which the GPU machine lacks)
   in a subprocess on 127.0.0.1, bf16 on CUDA, beam 3: ``POST /v1/captions`` of one photo a
   request from 1, 16 and 64 concurrent clients for ``--service-s`` seconds each after a warm-up:
-  captions/s and the p50 / p95 latency, milliseconds.
+  captions/s, the p50 / p95 latency, milliseconds, and the mean batch the worker captioned;
+  with the limits the device gave the server (``max_batch``, ``concurrency``: 64 on CUDA).
 
 ``--quick`` makes every part as small as it gets (the test suite's smoke test on a CPU).
 ``--output FILE`` rewrites FILE with the report so far after each part (a run cut short keeps
@@ -494,8 +495,17 @@ def service(paths: list[str], device: str, quick: bool, seconds: float) -> dict[
             out["ready_s"] = round(time.perf_counter() - t0, 1)
             clients = (1,) if quick else SERVICE_CLIENTS
             _load(url, photos, 2, 4)  # warm-up: the first batches of a shape are slow on a GPU
+            served = _served(url)  # the limits the device's defaults gave it
+            out.update(
+                max_batch=int(served["sat_max_batch"]), concurrency=int(served["sat_concurrency"])
+            )
             for n in clients:
-                out[f"clients_{n}"] = _load(url, photos, n, 4 if quick else None, seconds)
+                out[f"clients_{n}"] = run = _load(url, photos, n, 4 if quick else None, seconds)
+                after = _served(url)
+                batches = after["sat_batch_size_count"] - served["sat_batch_size_count"]
+                photos_in = after["sat_batch_size_sum"] - served["sat_batch_size_sum"]
+                run["mean_batch"] = round(photos_in / batches, 1) if batches else None
+                served = after
         except Exception as e:  # noqa: BLE001 - say what the server said
             log.seek(0)
             out["error"] = f"{type(e).__name__}: {e}"
@@ -515,6 +525,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SERVED = ("sat_max_batch", "sat_concurrency", "sat_batch_size_sum", "sat_batch_size_count")
+
+
+def _served(url: str) -> dict[str, float]:
+    """The server's limits and its batches so far, read off its /metrics."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith(SERVED))
+    return {name: float(values.get(name, "nan")) for name in SERVED}
 
 
 def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:

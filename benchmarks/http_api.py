@@ -5,7 +5,8 @@ Starts one `sat serve` (the page and the HTTP API in one process, as it runs by 
 subprocess on 127.0.0.1, so that clients and server do not share a GIL. For each number of
 clients it sends ``--requests`` requests of one photo in all, spread over the clients, first
 through the HTTP API (httpx, one connection a client), then through Gradio's API
-(``gradio_client``), and times each end to end. Then, in this process, ``Captioner`` captions
+(``gradio_client``), and times each end to end, with the mean batch the server's worker
+captioned meanwhile (its /metrics). Then, in this process, ``Captioner`` captions
 the same photo in batches of 1, 8 and 32 (one call a batch: decoding the photo,
 preprocessing, encoder, search).
 Prints one line a scenario and one JSON line.
@@ -90,6 +91,13 @@ def concurrent(make, url: str, image: Path, requests: int, clients: int) -> dict
     return result
 
 
+def batches(url: str) -> tuple[float, float]:
+    """(photos, batches) the server's worker has captioned so far, off its /metrics."""
+    lines = httpx.get(url + "/metrics", timeout=60).text.splitlines()
+    value = {k: v for k, _, v in (line.partition(" ") for line in lines if line.startswith("sat_"))}
+    return float(value["sat_batch_size_sum"]), float(value["sat_batch_size_count"])
+
+
 def direct(model: str | None, device: str, image: str, sizes: list[int], repeats: int, decoding):
     """One ``Captioner.caption`` call (decoding the photo, preprocessing, encoder, search) per
     batch of the same photo, ``repeats`` times per size."""
@@ -133,7 +141,14 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--requests", type=int, default=32, help="requests per scenario")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--repeats", type=int, default=4, help="direct calls per batch size")
+    p.add_argument("--repeats", type=int, default=4, help="direct calls per batch size (0: none)")
+    p.add_argument(
+        "--apis",
+        nargs="+",
+        choices=("http", "gradio"),
+        default=["http", "gradio"],
+        help="the APIs timed (default both; the page is served either way)",
+    )
     p.add_argument("serve_args", nargs="*", help="more `sat serve` options, after --")
     args = p.parse_args()
     import torch
@@ -155,20 +170,29 @@ def main() -> None:
     proc = start_sat_serve(port, [*serve, "--model", args.model] if args.model else serve)
     url = f"http://127.0.0.1:{port}"
     try:
-        for make in (HttpClient, GradioClient):  # warm-up: first-call allocations
+        apis = [
+            (n, m) for n, m in (("http", HttpClient), ("gradio", GradioClient)) if n in args.apis
+        ]
+        for _, make in apis:  # warm-up: first-call allocations
             warm = make(url, image)
             warm.request()
             warm.request()
         for clients in args.clients:
-            for name, make in (("http", HttpClient), ("gradio", GradioClient)):
+            for name, make in apis:
+                before = batches(url)
                 run = concurrent(make, url, image, args.requests, clients)
+                after = batches(url)
+                made = after[1] - before[1]
+                run["mean_batch"] = round((after[0] - before[0]) / made, 2) if made else None
                 report["runs"][f"{name}_{clients}"] = run
                 print(f"{name}_{clients}", json.dumps(run), flush=True)  # as it goes
     finally:
         proc.terminate()
         proc.wait(60)
-    report["direct"] = direct(
-        args.model, args.device, str(image), args.clients, args.repeats, decoding_of(serve)
+    report["direct"] = (
+        direct(args.model, args.device, str(image), args.clients, args.repeats, decoding_of(serve))
+        if args.repeats
+        else {}
     )
     report["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     for name, s in report["runs"].items():
@@ -177,7 +201,8 @@ def main() -> None:
             continue
         print(
             f"{name:10s} p50 {s['p50_s']:.3f}s  p95 {s['p95_s']:.3f}s  "
-            f"{s['throughput_per_s']:.2f} req/s  (n={s['n']}, failed {s['failed']})"
+            f"{s['throughput_per_s']:.2f} req/s  mean batch {s['mean_batch']}  "
+            f"(n={s['n']}, failed {s['failed']})"
         )
     for name, s in report["direct"].items():
         print(

@@ -26,6 +26,7 @@ from starlette.middleware import Middleware
 from . import drawing, events, options
 from .blocks import EXCEPTION_HANDLERS, ServiceBlocks, local_file_example
 from .cache import CacheBound
+from .capacity import gradio_threads
 from .captioning import api_caption
 from .guard import Guard, GuardMiddleware
 from .uploads import MAX_EXAMPLES
@@ -404,6 +405,7 @@ def prepare(
     service.max_upload_bytes = int(max_upload_mb * 2**20)
     minutes = DEFAULT_SESSION_MINUTES if session_minutes is None else session_minutes
     app = build_app(service, examples, concurrency=concurrency, session_ttl_s=minutes * 60)
+    app.max_threads = gradio_threads(concurrency)  # read by queue() and the app's start
     app.queue(max_size=queue_size)
     app.state_session_capacity = max_sessions  # what launch(state_session_capacity=) sets
     # one service may serve several pages (tests, a page with a login beside one without):
@@ -497,6 +499,7 @@ def launch(
         footer_links=["api"],
         auth=list(auth) if auth else None,
         prevent_thread_lock=True,  # Gradio's own wait prints a line on Ctrl-C: wait() below
+        max_threads=app.max_threads,  # launch() sets it again: prepare's, not its default
         quiet=True,  # Gradio's lines name its own launch(): the address is printed here
         state_session_capacity=max_sessions,
         app_kwargs={

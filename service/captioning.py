@@ -17,6 +17,8 @@ from . import options
 from .uploads import read_upload, upload_path
 from .worker import CaptionService
 
+CAPTION_TIMEOUT_S = 300.0  # a caption not made by then is an error, not a hung request
+
 # How the beams are ordered, as the API's ``ranked_by`` and the UI's table say it.
 RANKED_BY_SCORE = "score"  # log p / length**length_penalty, highest first
 RANKED_BY_CONSENSUS = "consensus"  # agreement with the captions of similar training photos
@@ -91,9 +93,11 @@ def caption_image(
     """
     captioner = service.get(model)  # an unknown model fails before any decoding
     config = service.decoding(captioner.name, **decoding)  # so does an option out of range
-    with service.cache.using(upload_path(image)):
-        img = read_upload(image, service.max_upload_bytes, captioner.input_size, service.cache)
-    result = service.caption(img, captioner.name, config)
+    with service.arriving() as arrival:  # a batch about to start waits for this photo
+        with service.cache.using(upload_path(image)):
+            img = read_upload(image, service.max_upload_bytes, captioner.input_size, service.cache)
+        future = service.submit(img, captioner.name, config, arrival)
+    result = future.result(timeout=CAPTION_TIMEOUT_S)
     return Captioned(
         img,
         result,

@@ -83,7 +83,7 @@ def create_api(
         docs_url="/docs",
         redoc_url=None,
     )
-    app.state.metrics = Metrics(service)
+    app.state.metrics = Metrics(service, settings.concurrency)
     app.state.admission = Admission(settings.concurrency, settings.queue_size)
     app.state.guard = guard = guard or Guard()
     guard.require(settings.auth)
@@ -224,8 +224,12 @@ async def caption_form(
             raise ApiError(400, f"{IMAGES} must be files, not text: {USAGE}")
         if upload.size is not None and upload.size > settings.max_upload_bytes:
             raise ApiError(413, too_large(upload, settings.max_upload_bytes))
-    images = [await decode(u, captioner.input_size, settings.max_upload_bytes) for u in uploads]
-    futures = service.submit_all(images, captioner.name, config)
+    with service.arriving() as arrival:  # a batch about to start waits for these photos
+        images = [await decode(u, captioner.input_size, settings.max_upload_bytes) for u in uploads]
+        # preprocessed (resized, normalised) in a thread: the event loop stays free meanwhile
+        futures = await run_in_threadpool(
+            service.submit_all, images, captioner.name, config, arrival
+        )
     results = [await asyncio.wrap_future(f) for f in futures]
     made_by = captioner.made_by(config)
     made_by["decoding"]["decode_on"] = DECODE_ON

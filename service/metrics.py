@@ -32,7 +32,7 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, service: CaptionService):
+    def __init__(self, service: CaptionService, concurrency: int | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -58,6 +58,19 @@ class Metrics:
             "sat_queue_depth", "Photos waiting for the captioning worker", registry=r
         )
         self.queue_depth.set_function(lambda: service.queue_depth)
+        # the limits in force (`sat serve` decides their defaults by device): what a batch
+        # size or a queue depth is measured against
+        self.max_batch = Gauge(
+            "sat_max_batch", "Most photos captioned as one batch (--max-batch)", registry=r
+        )
+        self.max_batch.set_function(lambda: service.max_batch)
+        if concurrency is not None:
+            self.concurrency = Gauge(
+                "sat_concurrency",
+                "Requests worked on at once by the HTTP API (--concurrency)",
+                registry=r,
+            )
+            self.concurrency.set(concurrency)
         self.photos = Counter("sat_photos_captioned", "Photos captioned", registry=r)
         self.warnings = Counter(
             "sat_warnings",

@@ -29,6 +29,7 @@ from showattendtell.cli.common import (
 from showattendtell.errors import UsageError, UserError
 
 from .auth import AUTH_ENV, exposure_warning, read_auth
+from .capacity import CPU, GPU, RULE, Capacity, resolve_capacity
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="largest accepted upload in MB (default 10)",
     )
-    p.add_argument(
-        "--concurrency",
-        type=int,
-        default=8,
-        help="requests processed at once; the rest wait in Gradio's queue (default 8)",
-    )
-    p.add_argument(
-        "--max-batch",
-        type=int,
-        default=8,
-        help="most concurrent requests captioned as one batch (default 8; 1: no batching)",
-    )
+    add_capacity(p)
     p.add_argument(
         "--queue-size",
         type=int,
@@ -106,6 +96,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_bounds(p)
     add_decoding_args(p)  # the defaults of the UI controls and of the API, for every model
     p.set_defaults(func=cmd_serve)
+
+
+def add_capacity(p: argparse.ArgumentParser) -> None:
+    """What the service takes on at once: None in the parser, decided by the device the models
+    load on (capacity.py)."""
+    g = p.add_argument_group(
+        "work at once",
+        f"Defaults by the device the models run on: --concurrency / --max-batch / --threads "
+        f"{RULE}. A value given here always wins.",
+    )
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        help=f"requests processed at once, the page's and the HTTP API's each; the rest wait "
+        f"in the queue (default {GPU.concurrency} on a GPU, {CPU.concurrency} on the CPU)",
+    )
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        help=f"most photos captioned as one batch (default {GPU.max_batch} on a GPU, "
+        f"{CPU.max_batch} on the CPU; 1: no batching)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        help=f"torch's CPU threads (default {GPU.threads} on a GPU, whose CPU work is small; "
+        "torch's own, one per core, on the CPU)",
+    )
 
 
 def add_bounds(p: argparse.ArgumentParser) -> None:
@@ -194,10 +212,11 @@ def check_options(args: argparse.Namespace) -> None:
         ("--max-sessions", args.max_sessions),
         ("--concurrency", args.concurrency),  # 0: every request would wait for ever
         ("--max-batch", args.max_batch),
+        ("--threads", args.threads),
         ("--queue-size", args.queue_size),  # 0: every request would be refused
         ("--max-images", args.max_images),
     ):
-        if value < 1:
+        if value is not None and value < 1:  # None: the device's default
             raise ServeError(f"{flag} must be at least 1, not {value}")
     if ":" in args.host:  # Gradio builds its own address as host:port, which breaks on these
         raise ServeError(
@@ -260,6 +279,24 @@ def serve_until_stopped(app: Any, guard: Any, stop: threading.Event, grace_s: fl
     app.close()
 
 
+def use_capacity(device: str, args: argparse.Namespace) -> Capacity:
+    """The options' values, each one not given the device's default (capacity.py); sets torch's
+    CPU threads where there is a value for them."""
+    capacity = resolve_capacity(device, args.concurrency, args.max_batch, args.threads)
+    if capacity.threads is not None:
+        import torch  # loaded already, with the models
+
+        torch.set_num_threads(capacity.threads)
+    log.info(
+        "serving on %s: %d requests at once, batches of up to %d photos, %s CPU threads",
+        device,
+        capacity.concurrency,
+        capacity.max_batch,
+        capacity.threads or "torch's",
+    )
+    return capacity
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a server
     # Every option is checked before the (slow) imports and model loading.
@@ -297,8 +334,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     except ValueError as e:  # resolve_device: no CUDA GPU
         raise ServeError(str(e)) from None
+    capacity = use_capacity(service.device, args)
     settings = ApiSettings(
-        int(args.max_upload_mb * 2**20), args.max_images, args.concurrency, args.queue_size, auth
+        int(args.max_upload_mb * 2**20),
+        args.max_images,
+        capacity.concurrency,
+        args.queue_size,
+        auth,
     )
     page = None
     if not args.api_only:

@@ -46,6 +46,8 @@ def test_gpu_report_runs_every_part_on_a_cpu():
     served = report["service"]  # `sat serve --api-only` under load, one client in the smoke test
     assert "error" not in served, served
     assert served["clients_1"]["requests"] == 4 and served["clients_1"]["p95_ms"] > 0
+    assert (served["max_batch"], served["concurrency"]) == (8, 8)  # the CPU's defaults
+    assert served["clients_1"]["mean_batch"] == 1.0  # one client: one photo a batch
 
 
 def test_train_benchmark_asks_to_be_run_as_a_module():

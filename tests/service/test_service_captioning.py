@@ -208,7 +208,7 @@ def test_batches_group_by_the_full_decoding_config(tiny_model_file):
     threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(configs))]
     for t in threads:
         t.start()
-    wait_until(lambda: svc._queue.qsize() == len(threads))
+    wait_until(lambda: svc.queue_depth == len(threads))
     release.set()
     for t in [first, *threads]:
         t.join(120)
@@ -333,7 +333,7 @@ def test_concurrent_requests_are_batched_with_the_same_results(
     for t in threads:
         t.join(120)
     assert [results[i] for i in range(len(shots))] == alone
-    assert sum(service.batch_sizes[before:]) == len(shots)
+    assert sum(list(service.batch_sizes)[before:]) == len(shots)
 
 
 def test_the_confidence_reaches_the_api_and_the_status_line(indexed_service: CaptionService):
@@ -344,3 +344,121 @@ def test_the_confidence_reaches_the_api_and_the_status_line(indexed_service: Cap
         d = json.loads(json.dumps(done.to_json(), allow_nan=False))
         assert 0.0 <= d["confidence"] <= 1.0 and d["confidence"] == round(done.result.confidence, 4)
         assert f"Confidence **{done.result.confidence:.2f}**" in events.status_text(done)
+
+
+def _poll(condition, event: threading.Event) -> None:
+    """Until ``condition()`` (no time limit asserted: at most 10 minutes)."""
+    for _ in range(60_000):
+        if condition():
+            return
+        event.wait(0.01)
+    raise AssertionError("never happened")
+
+
+@pytest.fixture
+def gathering(tiny_model_file):
+    """A service whose batch waits up to 10 minutes for requests still arriving (a bound no
+    test reaches: each releases them), and the sizes of its batches."""
+    svc = load_service([tiny_model_file], device="cpu", max_batch=8)
+    svc.gather_s = 600.0
+    sizes: list[int] = []
+    svc.on_batch.append(sizes.append)
+    yield svc, sizes
+    svc.close()
+
+
+def test_a_batch_waits_for_requests_still_decoding(gathering):
+    """Two requests sent together, the second still decoding its photo when the worker takes
+    the first: captioned as one batch, not one after the other (the HTTP API's 8 clients at
+    once were batches of 4 on average: the latency of two batches)."""
+    svc, sizes = gathering
+    img = Image.open(photo(1)).convert("RGB")
+    decoded, results = threading.Event(), {}
+
+    def second() -> None:
+        with svc.arriving() as arrival:  # received; its photo is being decoded
+            decoded.wait(120)
+            results["second"] = svc.submit(img, arrival=arrival).result(120).caption
+
+    t = threading.Thread(target=second)
+    t.start()
+    _poll(lambda: svc._arriving == 1, decoded)
+    first = svc.submit(img)
+    _poll(lambda: svc.queue_depth == 0, decoded)  # the worker has taken the first
+    decoded.set()
+    assert first.result(120).caption
+    t.join(120)
+    assert results["second"] == first.result().caption
+    assert sizes == [2]  # without the wait: [1, 1]
+
+
+def test_a_refused_arrival_lets_the_batch_go(gathering):
+    """A request that is refused while decoding (a bad photo) never submits: the batch waiting
+    for it starts once it is refused, not after the gather bound."""
+    svc, sizes = gathering
+    img = Image.open(photo(1)).convert("RGB")
+    refused = threading.Event()
+
+    def bad() -> None:
+        with pytest.raises(ImageError), svc.arriving():
+            refused.wait(120)
+            raise ImageError("the image: cannot be decoded")
+
+    t = threading.Thread(target=bad)
+    t.start()
+    _poll(lambda: svc._arriving == 1, refused)
+    first = svc.submit(img)
+    _poll(lambda: svc.queue_depth == 0, refused)
+    refused.set()
+    assert first.result(120).caption and sizes == [1]
+    t.join(120)
+    assert svc._arriving == 0
+
+
+def test_the_gather_wait_is_bounded(gathering):
+    """A request that takes longer to arrive than ``gather_s`` does not hold the batch."""
+    svc, sizes = gathering
+    svc.gather_s = 0.01
+    img = Image.open(photo(1)).convert("RGB")
+    with svc.arriving():  # never submits while the first is captioned
+        assert svc.submit(img).result(120).caption
+    assert sizes == [1]
+
+
+def test_under_load_the_queued_requests_go_at_once(gathering):
+    """Requests queued while a batch runs are taken when it ends, without waiting for those
+    still decoding: they join the next batch, their decoding overlapping this one."""
+    svc, sizes = gathering
+    img = Image.open(photo(1)).convert("RGB")
+    running, release = threading.Event(), threading.Event()
+    original = svc._run_group
+
+    def held(group):
+        if not running.is_set():
+            running.set()
+            release.wait(120)  # the first batch runs until the others are queued
+        original(group)
+
+    svc._run_group = held
+    first = svc.submit(img)
+    assert running.wait(120)  # the worker is busy with the first batch
+    with svc.arriving():  # another request decoding for as long as the batch takes
+        queued = svc.submit(img)
+        release.set()
+        assert queued.result(120).caption  # not held for the 600 s gather bound
+    assert first.result().caption and sizes == [1, 1]
+
+
+def test_the_batch_sizes_kept_are_bounded(tiny_model_file, monkeypatch):
+    """A service that runs for weeks keeps the latest batches' sizes, not every one."""
+    from showattendtell.service import worker
+
+    monkeypatch.setattr(worker, "BATCHES_KEPT", 2)
+    svc = load_service([tiny_model_file], device="cpu")
+    try:
+        img = Image.open(photo(1)).convert("RGB")
+        for _ in range(3):
+            svc.caption(img)
+        assert list(svc.batch_sizes) == [1, 1]
+    finally:
+        svc.close()

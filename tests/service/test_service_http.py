@@ -320,7 +320,7 @@ def test_concurrent_clients(api: httpx.Client, service: CaptionService):
         answers = list(pool.map(one, range(8)))
     for i, r in enumerate(answers):
         assert r["caption"] == alone[i % 4]["caption"] and r["path"] == shots[i % 4].name
-    assert sum(service.batch_sizes[before:]) == 8
+    assert sum(list(service.batch_sizes)[before:]) == 8
 
 
 @contextmanager
@@ -420,6 +420,8 @@ def test_metrics(api: httpx.Client):
     assert value("sat_photos_captioned", "sat_photos_captioned_total") >= 2
     assert value("sat_warnings", "sat_warnings_total") >= 1
     assert "sat_queue_depth" in families
+    assert value("sat_max_batch", "sat_max_batch") == 8  # the CPU's default: the service fixture's
+    assert value("sat_concurrency", "sat_concurrency") == 4  # the api fixture's
 
 
 def test_two_processes_answer_alike(service: CaptionService, tiny_model_file: Path):

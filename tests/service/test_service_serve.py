@@ -23,6 +23,13 @@ from showattendtell.service.auth import (  # noqa: E402
     exposure_warning,
     read_auth,
 )
+from showattendtell.service.capacity import (  # noqa: E402
+    CPU,
+    GPU,
+    Capacity,
+    gradio_threads,
+    resolve_capacity,
+)
 from showattendtell.service.worker import load_service, model_paths  # noqa: E402
 
 needs_bundled = pytest.mark.skipif(
@@ -183,12 +190,15 @@ def _fake_launch(monkeypatch, load: bool = True) -> dict:
     class Unloaded:
         captioners: dict = {}
 
+        def __init__(self, device: str) -> None:
+            self.device = device  # where the models would be: --device, as given
+
         def close(self) -> None:
             seen["service_closed"] = True
 
     def load_service(paths, device, **kwargs):
         seen["loaded"] = (paths, device, kwargs)
-        return Unloaded()
+        return Unloaded(device)
 
     if not load:
         monkeypatch.setattr("showattendtell.service.worker.load_service", load_service)
@@ -349,3 +359,74 @@ def test_serve_takes_the_precision_option(tiny_model_file):
         assert service.caption(Image.new("RGB", (64, 64), (200, 30, 30))).words
     finally:
         service.close()
+
+
+def test_capacity_defaults_are_decided_by_the_device():
+    """64 requests at once, batches of 64 and 2 torch threads on a GPU; 8, 8 and torch's own on
+    the CPU; told by the device's name alone (no CUDA call); a value given always wins."""
+    assert resolve_capacity("cpu") == CPU == Capacity(8, 8, None)
+    for gpu in ("cuda", "cuda:0", "cuda:3"):
+        assert resolve_capacity(gpu) == GPU == Capacity(64, 64, 2)
+    assert resolve_capacity("cuda:0", concurrency=3) == Capacity(3, 64, 2)
+    assert resolve_capacity("cuda", max_batch=1, threads=16) == Capacity(64, 1, 16)
+    assert resolve_capacity("cpu", concurrency=100, max_batch=32, threads=1) == Capacity(100, 32, 1)
+    # the page's thread pool: Gradio's 40 while enough, else room for twice the captions
+    assert gradio_threads(8) == 40 and gradio_threads(64) == 128
+
+
+def test_serve_capacity_flags_default_to_the_device(tiny_model_file, monkeypatch):
+    """--concurrency, --max-batch and --threads are None in the parser and decided once the
+    models are loaded, by their device: a (fake) GPU service gets 64 / 64 / 2 torch threads,
+    the CPU 8 / 8 and torch's threads untouched; a flag given wins on either."""
+    import torch
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.concurrency, args.max_batch, args.threads) == (None, None, None)
+    helps = {a.dest: a.help for a in subparser("serve")._actions}
+    assert "64 on a GPU, 8 on the CPU" in helps["concurrency"]
+    assert "64 on a GPU, 8 on the CPU" in helps["max_batch"]
+    seen = _fake_launch(monkeypatch, load=False)
+    before = torch.get_num_threads()
+    model = ["--model", str(tiny_model_file), "--examples"]
+    try:
+        assert main(["serve", "--device", "cuda", *model]) == 0
+        assert seen["loaded"][2]["max_batch"] is None  # load_service: the device's default
+        assert seen["settings"].concurrency == 64 and torch.get_num_threads() == 2
+        torch.set_num_threads(before)
+        flags = ["--concurrency", "5", "--max-batch", "7", "--threads", "1"]
+        assert main(["serve", "--device", "cuda:1", *model, *flags]) == 0
+        assert seen["loaded"][2]["max_batch"] == 7
+        assert seen["settings"].concurrency == 5 and torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        assert serve_on_cpu(*model) == 0
+        assert seen["settings"].concurrency == 8 and torch.get_num_threads() == before
+        assert serve_on_cpu(*model, "--threads", "0") == 2  # checked before anything loads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_load_service_takes_the_batch_of_its_device(tiny_model_file):
+    service = load_service([tiny_model_file], "cpu")
+    try:
+        assert service.device == "cpu" and service.max_batch == CPU.max_batch
+    finally:
+        service.close()
+    service = load_service([tiny_model_file], "cpu", max_batch=3)
+    try:
+        assert service.max_batch == 3
+    finally:
+        service.close()
+
+
+def test_the_page_thread_pool_follows_the_concurrency(service):
+    """Gradio's queue and thread pool take every request --concurrency lets in: with 64 at
+    once, 128 threads (each caption also pre- and postprocesses in the pool), not Gradio's 40."""
+    from showattendtell.service.app import prepare
+
+    for concurrency, threads in ((8, 40), (64, 128)):
+        app = prepare(service, concurrency=concurrency)
+        try:
+            assert app.max_threads == threads
+            assert app._queue.max_thread_count == threads  # the queue's slots for running events
+        finally:
+            service.cache.stop()
