@@ -1,7 +1,7 @@
 """Your own photos and captions in your own language, end to end: `sat train` on a folder of 12
 photos with German (captions.csv, a split column; features cached by `sat features`) or Japanese
-(captions.jsonl, a split ratio) captions and --data.tokenizer unicode, then `sat export`,
-`sat caption` and `sat evaluate`."""
+(captions.jsonl, a split ratio) captions and --data.tokenizer unicode, then `sat export` (a model
+file, and an ONNX folder), `sat caption` and `sat evaluate`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -74,14 +75,28 @@ def _own_folder(root: Path, language: str) -> list[str]:
     return [name for name, _, _ in rows]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("language", ["de", "ja"])
-def test_train_export_caption_and_evaluate_in_german_and_japanese(tmp_path, capsys, language):
-    data = tmp_path / "data"
+@dataclass(frozen=True)
+class Trained:
+    """A model trained by `sat train` on an own folder and exported to a model file."""
+
+    language: str
+    root: Path  # the runs' working folder
+    data: Path
+    photos: list[str]
+    model: Path
+    split: list[str]  # `sat evaluate`'s split options for this folder
+
+
+@pytest.fixture(scope="module", params=["de", "ja"])
+def trained(request, tmp_path_factory) -> Trained:
+    """The German and the Japanese model, each trained once for every test of this module."""
+    language = request.param
+    root = tmp_path_factory.mktemp(f"own_{language}")
+    data = root / "data"
     photos = _own_folder(data, language)
     split = [] if language == "de" else ["--split-ratio", "0.5"]
     old = os.getcwd()
-    os.chdir(tmp_path)
+    os.chdir(root)
     try:
         train = ["train", "--config", str(ROOT / "configs" / "tiny.yaml")]
         train += ["--data.dataset", "captions", "--data.root", str(data)]
@@ -92,32 +107,45 @@ def test_train_export_caption_and_evaluate_in_german_and_japanese(tmp_path, caps
         else:  # German: the encoder's features cached first by `sat features`, then trained on
             train += ["--data.feature_cache", "cache"]
             assert main(["features", *train[1:]]) == 0
-            assert any((tmp_path / "cache").rglob("shard-*.npy"))
+            assert any((root / "cache").rglob("shard-*.npy"))
         assert main(train) == 0
-        model = tmp_path / f"{language}.safetensors"
+        model = root / f"{language}.safetensors"
         assert main(["export", "runs/own/checkpoints/last.ckpt", str(model)]) == 0
-        capsys.readouterr()
-        # at least 3 words: a few steps of training may end a caption at once
-        caption = ["caption", *(str(data / p) for p in photos[:4]), "--model", str(model)]
-        assert main([*caption, "--min-length", "3"]) == 0
-        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-        evaluate = ["evaluate", "--model", str(model), "--dataset", "captions"]
-        evaluate += ["--root", str(data), "--split", "test", "--output", "results.json", *split]
-        assert main(evaluate) == 0
-        out, err = capsys.readouterr()
     finally:
         os.chdir(old)
+    return Trained(language, root, data, photos, model, split)
 
-    vocab = read_model(model)[0].vocab
-    assert vocab.tokenizer == "unicode"
-    assert len(records) == 4 and all(r["words"] for r in records)
-    for r in records:  # the words are the vocabulary's, joined as the language writes them
+
+def _assert_written_as_the_language(records: list[dict], vocab, language: str) -> None:
+    """The words are the vocabulary's, joined as the language writes them."""
+    assert records and all(r["words"] for r in records)
+    for r in records:
         assert set(r["words"]) <= set(vocab.itos[4:])
         if language == "de":
             assert r["caption"] == " ".join(r["words"])
         else:
             assert r["caption"] == "".join(r["words"])
             assert regex.fullmatch(r"[\p{scx=Han}\p{scx=Hiragana}\p{scx=Katakana}]+", r["caption"])
+
+
+@pytest.mark.slow
+def test_train_export_caption_and_evaluate_in_german_and_japanese(trained, capsys, monkeypatch):
+    language, data, model = trained.language, trained.data, trained.model
+    monkeypatch.chdir(trained.root)
+    capsys.readouterr()
+    # at least 3 words: a few steps of training may end a caption at once
+    caption = ["caption", *(str(data / p) for p in trained.photos[:4]), "--model", str(model)]
+    assert main([*caption, "--min-length", "3"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    evaluate = ["evaluate", "--model", str(model), "--dataset", "captions"]
+    evaluate += ["--root", str(data), "--split", "test", "--output", "results.json"]
+    assert main([*evaluate, *trained.split]) == 0
+    out, err = capsys.readouterr()
+
+    vocab = read_model(model)[0].vocab
+    assert vocab.tokenizer == "unicode"
+    assert len(records) == 4
+    _assert_written_as_the_language(records, vocab, language)
     # the vocabulary is the training captions' tokens: German words, Japanese characters
     train = load_split("captions", data, "train", None if language == "de" else 0.5)
     tokens = {t for im in train.images for c in im.captions for t in unicode_tokenize(c)}
@@ -128,9 +156,38 @@ def test_train_export_caption_and_evaluate_in_german_and_japanese(tmp_path, caps
     assert scores["tokenizer"] == "unicode" and "METEOR" not in scores
     assert 0.0 <= scores["Bleu_1"] <= 1.0 and scores["CIDEr"] >= 0.0
     assert "METEOR and SPICE skipped" in err
-    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    results = json.loads((trained.root / "results.json").read_text(encoding="utf-8"))
     expected_test = 2 if language == "de" else 3  # the split column's 2; half of 6 for 0.5
     assert len(results) == expected_test
+
+
+@pytest.mark.slow
+def test_an_onnx_export_keeps_the_tokenizer_and_captions_as_the_model_file(trained, capsys):
+    """`sat export --format onnx` of the German and the Japanese model: the folder reads back
+    with the unicode tokenizer, and `sat caption` with it gives the model file's captions
+    (greedy), joined as the language writes them."""
+    pytest.importorskip("onnx", reason='the [onnx] extra: pip install "showattendtell[onnx]"')
+    pytest.importorskip(
+        "onnxruntime", reason='the [onnx] extra: pip install "showattendtell[onnx]"'
+    )
+    from showattendtell.captioning.onnx_model import read_onnx_folder
+
+    folder = trained.root / f"{trained.language}_onnx"
+    assert main(["export", str(trained.model), str(folder), "--format", "onnx"]) == 0
+    assert read_onnx_folder(folder)[0].vocab.tokenizer == "unicode"
+    photos = [str(trained.data / p) for p in trained.photos]
+    capsys.readouterr()
+    by = {}
+    for name, model in (("torch", trained.model), ("onnx", folder)):
+        args = ["caption", *photos, "--model", str(model), "--format", "jsonl"]
+        assert main([*args, "--beam-size", "1", "--min-length", "3"]) == 0
+        by[name] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(by["onnx"]) == len(photos)
+    assert [r["caption"] for r in by["onnx"]] == [r["caption"] for r in by["torch"]]
+    assert [r["words"] for r in by["onnx"]] == [r["words"] for r in by["torch"]]
+    _assert_written_as_the_language(
+        by["onnx"], read_model(trained.model)[0].vocab, trained.language
+    )
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from showattendtell.search.confidence import (
     ConfidenceFitError,
     ConfidenceFits,
 )
-from showattendtell.search.decoding import Hypothesis
+from showattendtell.search.decoding import Hypothesis, generate
 from showattendtell.search.familiarity import UNSURE_WARNING
 
 NO_INDEX = tuple(f for f in FEATURES if f not in INDEX_FEATURES)
@@ -198,6 +198,42 @@ def test_word_log_probs_sum_to_the_searchs_log_probability(tiny_model_file, tmp_
         assert len(lp) == len(h.tokens) + 1 and lp.sum() == pytest.approx(h.log_prob, abs=1e-4)
 
 
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_the_search_keeps_each_words_log_prob_as_the_second_pass_computes_it(
+    attention, tiny_model_file, tiny_hard_model_file, tmp_path
+):
+    """Every search (greedy and beam, shrinking and fixed-shape) keeps each word's log p, the
+    numbers a teacher-forced pass over its captions computes: the confidence's signals from
+    them are the signals from that second pass."""
+    model_file = tiny_model_file if attention == "soft" else tiny_hard_model_file
+    captioner = load_model(model_file, "cpu")
+    photos = write_photos(tmp_path, 4, seed=21)
+    grids = captioner.encode(torch.stack([captioner.preprocess(p) for p in photos]))
+    decoder = captioner.model.decoder
+    for beam_size in (1, 3):
+        config = dataclasses.replace(captioner.decoding, beam_size=beam_size, min_length=2)
+        for strategy in ("shrink", "fixed"):
+            search = generate(decoder, grids, config, strategy)
+            flat = [h for hyps in search for h in hyps]
+            rows = torch.cat(
+                [grids[b : b + 1].expand(len(h), -1, -1) for b, h in enumerate(search)]
+            )
+            again = confidence.word_log_probs(decoder, rows, [h.tokens for h in flat], "argmax")
+            for h, lp in zip(flat, again, strict=True):
+                assert h.word_log_probs is not None and len(h.word_log_probs) == len(h.tokens) + 1
+                np.testing.assert_allclose(h.word_log_probs, lp, atol=1e-5)
+                assert sum(h.word_log_probs) == pytest.approx(h.log_prob, abs=1e-4)
+            captions = [[" ".join(map(str, h.tokens)) for h in hyps] for hyps in search]
+            kept = confidence.signals(decoder, grids, search, captions, "argmax")
+            second = [
+                [dataclasses.replace(h, word_log_probs=None) for h in hyps] for hyps in search
+            ]
+            recomputed = confidence.signals(decoder, grids, second, captions, "argmax")
+            assert kept.keys() == recomputed.keys()
+            for name in kept:
+                np.testing.assert_allclose(kept[name], recomputed[name], atol=1e-5, err_msg=name)
+
+
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -274,6 +310,7 @@ def test_the_study_runs_end_to_end_and_reuses_its_cache(
     assert "AUROC for a bad caption" in first and "calibration" in first
     assert "flickr8k dev  photos     8" in first and "the warning below" in first
     assert "the precision goal of 0.7 at that recall: " in first
+    assert "the first signals alone: +" in first  # what the signals added since bring
     numbers = [line for line in first.splitlines() if "flickr8k_dev: " not in line]
     assert again.splitlines() == numbers  # the same numbers, from the cache
     assert "flickr8k_dev: " not in again

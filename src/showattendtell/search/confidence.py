@@ -11,16 +11,25 @@ with the features (``signals``):
 
 - ``log_prob_per_word``: the caption's log-probability over its words, ``<end>`` counted
 - ``min_word_log_prob``: the log-probability of its least likely word (``<end>`` counted)
+- ``end_log_prob``: the log-probability of its ``<end>`` (how sure the model is it is complete)
+- ``word_log_prob_spread``: the standard deviation of its words' log-probabilities
 - ``beam_agreement``: how much the beam's other captions share its words (unigram F1, mean)
 - ``beam_share``: its share of the finished beams' probability (softmax of their log-probs)
 - ``attention_entropy``: the attention's mean entropy over its words, over log(locations)
+- ``attention_peak``: the attention's mean largest weight over its words
+- ``attention_coverage``: the entropy of its words' summed attention, over log(locations)
+- ``repeated_words``: the share of its words that repeat an earlier word of it
 - ``words``: its length
 - ``consensus``: its CIDEr-D against the captions of the nearest training photos (consensus.py)
+- ``beam_consensus``: the mean consensus of the beam's finished captions (it among them)
 - ``typicality``: how like the training photos the photo is (familiarity.py)
 
-The last two need the model's consensus index. A ``ConfidenceFit`` is one regression; a model
+The last three need the model's consensus index. The signals come from what the search kept
+(each word's log-probability, the attention maps, the beam's captions and consensus scores):
+the confidence costs no second pass of the decoder over the captions (``word_log_probs``, that
+pass, remains for hypotheses made without them). A ``ConfidenceFit`` is one regression; a model
 carries a list of them (``ConfidenceFits``), and a photo is scored by the first whose features
-the model has (a model without an index uses one fitted without those two). The fits are made by
+the model has (a model without an index uses one fitted without those three). The fits are made by
 scripts/confidence_study.py on photos with references and are stored in the model file's
 metadata (model_file.py); a model file without them is scored by the bundled default model's
 fits (``DEFAULT_FITS``), whose scales other models share only approximately, as familiarity's
@@ -56,14 +65,24 @@ FORMAT_VERSION = 1
 FEATURES = (
     "log_prob_per_word",
     "min_word_log_prob",
+    "end_log_prob",
+    "word_log_prob_spread",
     "beam_agreement",
     "beam_share",
     "attention_entropy",
+    "attention_peak",
+    "attention_coverage",
+    "repeated_words",
     "words",
     "consensus",
+    "beam_consensus",
     "typicality",
 )
-INDEX_FEATURES = ("consensus", "typicality")  # only a model with a consensus index has these
+INDEX_FEATURES = (
+    "consensus",
+    "beam_consensus",
+    "typicality",
+)  # only a model with a consensus index has these
 BUNDLED_FITS = Path(__file__).parents[1] / "bundled" / "confidence.json"
 DEFAULT_MODEL = "flickr8k_lite2_soft"  # whose fits score a model file that carries none
 _FLOOR = -30.0  # a -inf log-probability (a banned word forced in) counts as this
@@ -198,7 +217,8 @@ def word_log_probs(
 ) -> list[np.ndarray]:
     """Each caption's per-word log-probabilities, ``<end>`` last, by feeding it to the decoder
     word by word through the search's own two calls (``start``, ``step``): the numbers the
-    search summed into its log-probability, for one decoder or an ensemble alike."""
+    search summed into its log-probability, for one decoder or an ensemble alike. The search
+    keeps them itself (``Hypothesis.word_log_probs``); this pass is for hypotheses without."""
     B = len(captions)
     T = max(len(c) for c in captions) + 1 if B else 0
     out = np.zeros((B, T))
@@ -251,6 +271,29 @@ def attention_entropy(alphas: torch.Tensor) -> float:
     return float(h / math.log(alphas.size(-1)))
 
 
+def attention_peak(alphas: torch.Tensor) -> float:
+    """The mean over a caption's words of its attention map's largest weight (1: each word on
+    one location): how sharply the model looks, on a scale of the grid's size."""
+    if alphas.numel() == 0:
+        return 1.0
+    a = alphas.float()
+    return float((a.max(-1).values / a.sum(-1).clamp_min(1e-12)).mean())
+
+
+def attention_coverage(alphas: torch.Tensor) -> float:
+    """The entropy of a caption's attention summed over its words, over log L (0: every word
+    on the same location; 1: the words together look at the whole photo evenly)."""
+    if alphas.numel() == 0 or alphas.size(-1) < 2:
+        return 0.0
+    return attention_entropy(alphas.float().sum(0, keepdim=True))
+
+
+def repeated_words(tokens: Sequence[int]) -> float:
+    """The share of a caption's words that repeat an earlier word of it (a caption going in
+    circles, "a dog in a field in a field", is often wrong)."""
+    return (len(tokens) - len(set(tokens))) / len(tokens) if tokens else 0.0
+
+
 def signals(
     decoder,
     annotations: torch.Tensor,
@@ -265,22 +308,33 @@ def signals(
     order; ``index`` (the consensus index) and ``typicality`` (familiarity.py) for a model with
     an index, else the features that need them are left out."""
     best = [hyps[0] for hyps in hypotheses]
-    per_word = word_log_probs(decoder, annotations, [h.tokens for h in best], hard_mode)
+    if all(h.word_log_probs is not None for h in best):  # kept by the search: no second pass
+        per_word = [np.asarray(h.word_log_probs, np.float64) for h in best]
+    else:  # hypotheses made elsewhere (a test's, an older search's): the decoder again
+        per_word = word_log_probs(decoder, annotations, [h.tokens for h in best], hard_mode)
+    floored = [np.maximum(np.nan_to_num(lp, nan=_FLOOR), _FLOOR) for lp in per_word]
     out = {
         "log_prob_per_word": [finite(h.log_prob) / (len(h.tokens) + 1) for h in best],
-        "min_word_log_prob": [finite(float(lp.min())) for lp in per_word],
+        "min_word_log_prob": [float(lp.min()) for lp in floored],
+        "end_log_prob": [float(lp[-1]) for lp in floored],
+        "word_log_prob_spread": [float(lp.std()) for lp in floored],
         "beam_agreement": [beam_agreement(c[0], c[1:]) for c in captions],
         "beam_share": [beam_share([h.log_prob for h in hyps]) for hyps in hypotheses],
         "attention_entropy": [attention_entropy(h.alphas) for h in best],
+        "attention_peak": [attention_peak(h.alphas) for h in best],
+        "attention_coverage": [attention_coverage(h.alphas) for h in best],
+        "repeated_words": [repeated_words(h.tokens) for h in best],
         "words": [len(h.tokens) for h in best],
     }
     if index is not None and typicality is not None:
-        if all(h.consensus is not None for h in best):  # reranked: the search's own scores
-            out["consensus"] = [h.consensus for h in best]
+        hyps_ = [h for hyps in hypotheses for h in hyps]
+        if all(h.consensus is not None for h in hyps_):  # reranked: the search's own scores
+            scores = [np.array([h.consensus for h in hyps]) for hyps in hypotheses]
         else:  # each candidate is scored on its own (CIDEr-D against the neighbours' captions)
             pooled = annotations.float().mean(1)  # ConsensusIndex.pool
-            scores = index.rerank(pooled, [[c[0]] for c in captions])
-            out["consensus"] = [float(s[0]) for s in scores]
+            scores = index.rerank(pooled, [list(c) for c in captions])
+        out["consensus"] = [float(s[0]) for s in scores]
+        out["beam_consensus"] = [float(np.mean(s)) for s in scores]
         out["typicality"] = typicality
     return {k: np.asarray(v, np.float64) for k, v in out.items()}
 

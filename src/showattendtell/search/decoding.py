@@ -47,6 +47,8 @@ class Hypothesis:
     locations: list[int] | None  # hard attention: the location chosen for each word
     consensus: float | None = None  # its consensus score when the beam was reranked by it
     # (CaptionModel.generate, consensus.py): the number that decided its rank
+    word_log_probs: list[float] | None = None  # log p of each word, <end> last when emitted:
+    # the numbers summed into log_prob, kept by the search for the confidence (confidence.py)
 
 
 def banned_tokens(vocab_size: int, device, allow_unk: bool = False) -> torch.Tensor:
@@ -203,7 +205,7 @@ def greedy_decode(
     how = _strategy(strategy, annotations.device)
     if how is None:
         state = decoder.start(annotations, word_gates=True)
-        tokens, logps, alphas, locs = _greedy_shrink_loop(
+        tokens, logps, word_lps, alphas, locs = _greedy_shrink_loop(
             decoder, state, annotations, config, allow_unk
         )
     else:
@@ -211,15 +213,15 @@ def greedy_decode(
         def run(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
             state = decoder.start(a, word_gates=True)
             out = _greedy_fixed_loop(decoder, state, a, config, allow_unk)
-            return out if out[3] is not None else out[:3]
+            return out if out[4] is not None else out[:4]
 
         key = (config.search_key(), allow_unk)
         out = _graphed(decoder, "greedy", run, annotations, key) if how == "graph" else None
-        tokens, logps, alphas, *locs = out or run(annotations)
+        tokens, logps, word_lps, alphas, *locs = out or run(annotations)
         locs = locs[0] if locs else None
         alphas = alphas.cpu()  # the maps to the host in one copy, not one per caption
     lengths = (tokens != END).sum(1).tolist()  # <end> once, at the end: words before it
-    token_lists, logp_list = tokens.tolist(), logps.tolist()
+    token_lists, logp_list, word_lists = tokens.tolist(), logps.tolist(), word_lps.tolist()
     loc_lists = locs.tolist() if locs is not None else None
     return [
         [
@@ -229,6 +231,7 @@ def greedy_decode(
                 logp_list[b],
                 alphas[b, :n],
                 loc_lists[b][:n] if loc_lists is not None else None,
+                word_log_probs=word_lists[b][: n + 1],
             )
         ]
         for b, n in enumerate(lengths)
@@ -237,7 +240,8 @@ def greedy_decode(
 
 def _greedy_shrink_loop(decoder, state, annotations, config: DecodingConfig, allow_unk: bool):
     """Greedy steps where a row whose caption ended leaves the batch. Returns tokens (B, T)
-    (<end> after the end), log p (B,) in float64, maps (B, T, L), locations (B, T) or None."""
+    (<end> after the end), log p (B,) in float64, each word's log p (B, T) in float32, maps
+    (B, T, L), locations (B, T) or None."""
     B, L, _ = annotations.shape
     hard_mode = config.hard_mode
     dev, T = annotations.device, config.max_length + 1  # steps at most: the words and <end>
@@ -246,6 +250,7 @@ def _greedy_shrink_loop(decoder, state, annotations, config: DecodingConfig, all
     tokens = torch.full((B, T), END, dtype=torch.long, device=dev)
     locs = torch.zeros(B, T, dtype=torch.long, device=dev)
     logps = torch.zeros(B, dtype=torch.float64, device=dev)  # summed in float64
+    word_lps = torch.zeros(B, T, dtype=torch.float32, device=dev)
     for t in range(T):
         logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (N, V), (N, L), (N,)
         if t == 0:
@@ -253,6 +258,7 @@ def _greedy_shrink_loop(decoder, state, annotations, config: DecodingConfig, all
             alphas = alpha.new_zeros(B, T, L)  # bfloat16 under autocast
         best, words = masks(logp, t, tokens[active, :t]).max(1)  # (N,), (N,)
         logps[active] += best.double()
+        word_lps[active, t] = best.float()
         tokens[active, t] = words
         alphas[active, t] = alpha
         if s is not None:
@@ -264,7 +270,7 @@ def _greedy_shrink_loop(decoder, state, annotations, config: DecodingConfig, all
         if n < len(active):  # captions that ended leave the batch
             keep = running.nonzero().squeeze(1)
             active, words, state = active[keep], words[keep], state.select(keep)
-    return tokens, logps, alphas, locs if s is not None else None
+    return tokens, logps, word_lps, alphas, locs if s is not None else None
 
 
 def _greedy_fixed_loop(decoder, state, annotations, config: DecodingConfig, allow_unk: bool):
@@ -276,6 +282,7 @@ def _greedy_fixed_loop(decoder, state, annotations, config: DecodingConfig, allo
     words = torch.full((B,), START, dtype=torch.long, device=dev)
     tokens = torch.full((B, T), END, dtype=torch.long, device=dev)
     logps = torch.zeros(B, dtype=torch.float64, device=dev)
+    word_lps = torch.zeros(B, T, dtype=torch.float32, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     locs = None
     for t in range(T):
@@ -288,17 +295,18 @@ def _greedy_fixed_loop(decoder, state, annotations, config: DecodingConfig, allo
         best, words = masks(logp, t, tokens[:, :t]).max(1)
         words = words.masked_fill(done, END)
         logps += best.double().masked_fill(done, 0.0)
+        word_lps[:, t] = best.float().masked_fill(done, 0.0)
         tokens[:, t], alphas[:, t] = words, alpha
         if locs is not None:
             locs[:, t] = s
         done = done | (words == END)
-    return tokens, logps, alphas, locs
+    return tokens, logps, word_lps, alphas, locs
 
 
 def _candidates(logp: torch.Tensor, scores: torch.Tensor, K: int):
     """The 2K best continuations of each image's k beams (scores (G, k), logp (G*k, V)):
-    enough to refill K after some end. Returns their scores, beams and words (G, 2K) and which
-    are <end>."""
+    enough to refill K after some end. Returns their scores, beams and words (G, 2K), which
+    are <end>, and each one's word's log p (G, 2K) in float32."""
     G, k = scores.shape
     V = logp.size(1)
     cand = (scores.view(G * k, 1) + logp).view(G, k * V)
@@ -307,18 +315,21 @@ def _candidates(logp: torch.Tensor, scores: torch.Tensor, K: int):
     top, idx = cand.topk(2 * K, dim=1)
     idx = idx.clamp_max(k * V - 1)  # a padded (-inf) candidate continues a real beam, dead
     beam, word = idx // V, idx % V
-    return top, beam, word, (word == END) & torch.isfinite(top)
+    rows = (beam + torch.arange(G, device=beam.device).unsqueeze(1) * k).view(-1)
+    word_lp = logp[rows, word.view(-1)].view(G, 2 * K).float()  # a gather: no host sync
+    return top, beam, word, (word == END) & torch.isfinite(top), word_lp
 
 
-def _survivors(top, beam, word, is_end, K: int):
-    """The K best candidates that are not <end>: their scores (-inf: dead), beams and words."""
+def _survivors(top, beam, word, is_end, word_lp, K: int):
+    """The K best candidates that are not <end>: their scores (-inf: dead), beams, words and
+    words' log p."""
     rank = torch.where(is_end | ~torch.isfinite(top), 2 * K + 1, 0) + torch.arange(
         2 * K, device=top.device
     )
     keep = rank.argsort(1)[:, :K]  # (G, K) positions in the top-2K list
     words = word.gather(1, keep)
     scores = torch.where(words == END, float("-inf"), top.gather(1, keep))
-    return scores, beam.gather(1, keep), words
+    return scores, beam.gather(1, keep), words, word_lp.gather(1, keep)
 
 
 @torch.inference_mode()
@@ -366,8 +377,8 @@ def beam_search(
     return [
         sorted(
             (
-                Hypothesis(tokens, logp, norm(logp, len(tokens) + 1), alphas, locs)
-                for tokens, logp, alphas, locs in image
+                Hypothesis(tokens, logp, norm(logp, len(tokens) + 1), alphas, locs, None, lps)
+                for tokens, logp, alphas, locs, lps in image
             ),
             key=lambda hy: hy.score,
             reverse=True,
@@ -378,7 +389,8 @@ def beam_search(
 
 def _beam_shrink_loop(decoder, state, annotations, config: DecodingConfig, allow_unk: bool):
     """Beam steps where an image that is done leaves the batch. Returns, per image, its
-    finished captions in the order they ended: (tokens, log p, maps, locations or None)."""
+    finished captions in the order they ended: (tokens, log p, maps, locations or None, each
+    word's log p)."""
     B, L, _ = annotations.shape
     K, max_length, hard_mode = config.beam_size, config.max_length, config.hard_mode
     dev = annotations.device
@@ -388,16 +400,17 @@ def _beam_shrink_loop(decoder, state, annotations, config: DecodingConfig, allow
     hist_tokens = torch.zeros(B, 0, dtype=torch.long, device=dev)  # (G*k, t)
     hist_alpha = annotations.new_zeros(B, 0, L)  # (G*k, t, L)
     hist_loc = torch.zeros(B, 0, dtype=torch.long, device=dev)  # (G*k, t)
+    hist_lp = torch.zeros(B, 0, dtype=torch.float32, device=dev)  # (G*k, t)
     finished: list[list[tuple]] = [[] for _ in range(B)]
     for t in range(max_length + 1):
         logp, alpha, s, state = decoder.step(words, state, hard_mode)  # (G*k, V), (G*k, L)
         if t == 0:
             masks = _Masks(logp.size(1), dev, config, allow_unk, False)
         k = scores.size(1)
-        top, beam, word, is_end = _candidates(masks(logp, t, hist_tokens), scores, K)
+        top, beam, word, is_end, word_lp = _candidates(masks(logp, t, hist_tokens), scores, K)
         ends = is_end[:, :K].nonzero().tolist()  # <end> within the image's top K: finished
         if ends:
-            top_l, beam_l = top.tolist(), beam.tolist()
+            top_l, beam_l, lp_l = top.tolist(), beam.tolist(), word_lp.tolist()
             for g, j in ends:
                 src = g * k + beam_l[g][j]
                 finished[images[g]].append(
@@ -406,21 +419,23 @@ def _beam_shrink_loop(decoder, state, annotations, config: DecodingConfig, allow
                         top_l[g][j],
                         hist_alpha[src].clone(),
                         hist_loc[src].tolist() if s is not None else None,
+                        [*hist_lp[src].tolist(), lp_l[g][j]],
                     )
                 )
         running = [g for g, b in enumerate(images) if len(finished[b]) < K]
         if not running or t == max_length:
             break
-        scores, src, words = _survivors(top, beam, word, is_end, K)  # (G, K) each
+        scores, src, words, lps = _survivors(top, beam, word, is_end, word_lp, K)  # (G, K) each
         src = src + torch.arange(len(images), device=dev).unsqueeze(1) * k
         groups = None
         if len(running) < len(images):  # images that are done leave the batch
             groups = torch.tensor(running, device=dev)
-            scores, src, words = scores[groups], src[groups], words[groups]
+            scores, src, words, lps = scores[groups], src[groups], words[groups], lps[groups]
             images = [images[g] for g in running]
         src, words = src.view(-1), words.view(-1)
         state = state.regroup(src, K, groups)  # src stays within each image's rows
         hist_tokens = torch.cat([hist_tokens[src], words.unsqueeze(1)], 1)
+        hist_lp = torch.cat([hist_lp[src], lps.view(-1, 1)], 1)
         hist_alpha = torch.cat([hist_alpha[src], alpha[src].unsqueeze(1)], 1)
         if s is not None:
             hist_loc = torch.cat([hist_loc[src], s[src].unsqueeze(1)], 1)
@@ -429,10 +444,11 @@ def _beam_shrink_loop(decoder, state, annotations, config: DecodingConfig, allow
 
 def _beam_finished(pool: list[torch.Tensor], count: torch.Tensor, K: int) -> list[list[tuple]]:
     """``_beam_shrink_loop``'s finished captions from ``_beam_fixed_steps``'s pool (tokens,
-    log p, lengths, maps[, locations]) and counts: one copy to the host."""
-    p_tokens, p_logp, p_len, p_alpha, *p_loc = pool
+    log p, lengths, words' log p, maps[, locations]) and counts: one copy to the host."""
+    p_tokens, p_logp, p_len, p_lp, p_alpha, *p_loc = pool
     p_alpha = p_alpha.cpu()  # one copy of every finished caption's maps, not one per caption
     tokens, logps, lengths = p_tokens.tolist(), p_logp.tolist(), p_len.tolist()
+    word_lps = p_lp.tolist()
     locs = p_loc[0].tolist() if p_loc else None
     return [
         [
@@ -441,6 +457,7 @@ def _beam_finished(pool: list[torch.Tensor], count: torch.Tensor, K: int) -> lis
                 logps[b][j],
                 p_alpha[b, j, : lengths[b][j]],
                 locs[b][j][: lengths[b][j]] if locs is not None else None,
+                word_lps[b][j][: lengths[b][j] + 1],
             )
             for j in range(n)
         ]
@@ -452,18 +469,25 @@ def _beam_fixed_steps(decoder, state, annotations, config: DecodingConfig, allow
     """Beam steps over all images for all max_length + 1 steps, with no host synchronisation:
     images that are done are masked, beams reordered with gathers, finished captions scattered
     into a pool of 2K slots per image (K - 1 before the last step that can add K), in the order
-    they ended. Returns the pool (tokens, log p, lengths, maps, locations) and the counts (B,)."""
+    they ended. Returns the pool (tokens, log p, lengths, words' log p, maps, locations) and the
+    counts (B,)."""
     B, L, _ = annotations.shape
     K, max_length, hard_mode = config.beam_size, config.max_length, config.hard_mode
     dev, T, P = annotations.device, max_length + 1, 2 * K
     words = torch.full((B,), START, dtype=torch.long, device=dev)
     scores = annotations.new_zeros(B, 1)  # (B, k)
     image = torch.arange(B, device=dev).unsqueeze(1)  # (B, 1)
-    hist = [torch.full((B, T), END, dtype=torch.long, device=dev), None, None]  # tokens, maps, s
+    hist = [  # tokens, words' log p, maps, s
+        torch.full((B, T), END, dtype=torch.long, device=dev),
+        torch.zeros(B, T, dtype=torch.float32, device=dev),
+        None,
+        None,
+    ]
     pool = [
         torch.full((B, P + 1, T), END, dtype=torch.long, device=dev),  # slot P: discarded
         torch.zeros(B, P + 1, device=dev),
         torch.zeros(B, P + 1, dtype=torch.long, device=dev),
+        torch.zeros(B, P + 1, T, dtype=torch.float32, device=dev),
         None,
         None,
     ]
@@ -473,11 +497,11 @@ def _beam_fixed_steps(decoder, state, annotations, config: DecodingConfig, allow
         if t == 0:
             masks = _Masks(logp.size(1), dev, config, allow_unk, True)
             # maps in the grids' type, as the shrinking search's (float32 under autocast)
-            hist[1], pool[3] = annotations.new_zeros(B, T, L), annotations.new_zeros(B, P + 1, T, L)
+            hist[2], pool[4] = annotations.new_zeros(B, T, L), annotations.new_zeros(B, P + 1, T, L)
             if s is not None:
-                hist[2], pool[4] = torch.zeros_like(hist[0]), torch.zeros_like(pool[0])
+                hist[3], pool[5] = torch.zeros_like(hist[0]), torch.zeros_like(pool[0])
         k = scores.size(1)
-        top, beam, word, is_end = _candidates(masks(logp, t, hist[0][:, :t]), scores, K)
+        top, beam, word, is_end, word_lp = _candidates(masks(logp, t, hist[0][:, :t]), scores, K)
         ends = is_end[:, :K] & (count < K).unsqueeze(1)  # (B, K): finished, images not done
         slot = torch.where(ends, count.unsqueeze(1) + ends.cumsum(1) - 1, P)  # (B, K)
         rows = beam[:, :K] + image * k  # (B, K) the rows they end
@@ -485,25 +509,28 @@ def _beam_fixed_steps(decoder, state, annotations, config: DecodingConfig, allow
             if h is not None:
                 idx = slot.view(B, K, *[1] * (h.dim() - 1)).expand(B, K, *h.shape[1:])
                 p.scatter_(1, idx, h[rows])
+        pool[3][:, :, t].scatter_(1, slot, word_lp[:, :K])  # the <end>'s own log p
         pool[1].scatter_(1, slot, top[:, :K].float())
         pool[2].scatter_(1, slot, torch.full_like(slot, t))
         count = count + ends.sum(1)
         if t == max_length:
             break
-        scores, src, words = _survivors(top, beam, word, is_end, K)  # (B, K) each
+        scores, src, words, lps = _survivors(top, beam, word, is_end, word_lp, K)  # (B, K) each
         src, words = (src + image * k).view(-1), words.view(-1)
         state = state.regroup(src, K)  # src stays within each image's rows
         hist = [None if h is None else h[src] for h in hist]
         hist[0][:, t] = words
-        hist[1][:, t] = alpha[src]
+        hist[1][:, t] = lps.view(-1)
+        hist[2][:, t] = alpha[src]
         if s is not None:
-            hist[2][:, t] = s[src]
+            hist[3][:, t] = s[src]
     return (
         pool[0][:, :P],
         pool[1][:, :P],
         pool[2][:, :P],
         pool[3][:, :P],
-        None if pool[4] is None else pool[4][:, :P],
+        pool[4][:, :P],
+        None if pool[5] is None else pool[5][:, :P],
     ), count
 
 
