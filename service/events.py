@@ -153,8 +153,8 @@ def ui_caption(
         return (f"**Cannot caption {what}:** {e}", *cleared())
     r = done.result
     state = {
-        "image": drawing.readable(done.image, VIEW_SIZE),
-        "small": drawing.readable(done.image, PANEL_SIZE),
+        "image": drawing.Packed.of(drawing.readable(done.image, VIEW_SIZE)),
+        "small": drawing.Packed.of(drawing.readable(done.image, PANEL_SIZE)),
         "attention": r.attention,
         "locations": r.locations,
         "words": r.words,

@@ -18,6 +18,7 @@ gr = pytest.importorskip("gradio")
 from helpers.service import white_pixels  # noqa: E402
 from showattendtell.service import drawing, events, options  # noqa: E402
 from showattendtell.service.app import build_app  # noqa: E402
+from showattendtell.service.cache import CacheBound  # noqa: E402
 from showattendtell.service.uploads import find_examples  # noqa: E402
 from showattendtell.service.worker import CaptionService  # noqa: E402
 
@@ -404,6 +405,7 @@ def test_the_caption_event_selects_the_opening_word(service: CaptionService, mon
         return len(words) - 1
 
     monkeypatch.setattr(drawing, "opening_word", opening)
+    monkeypatch.setattr(service, "cache", CacheBound(None))  # no page built: any file reads
     upload = {"path": str(photo(1)), "orig_name": "photo.jpg"}
     out = outputs(events.ui_caption(service, upload))
     assert out["words"]["value"] == picked[0]
@@ -612,3 +614,24 @@ def test_the_preview_reads_only_uploads(service: CaptionService, tmp_path, monke
     assert {("input-image", "upload"), ("input-image", "change")} == {
         (ids.get(t[0]), t[1]) for d in wired for t in d["targets"]
     }
+
+
+def test_a_session_keeps_its_photo_encoded(service: CaptionService, monkeypatch):
+    """Gradio keeps each session's state in memory for an hour (up to --max-sessions): the
+    view and panel images are kept JPEG-encoded (about 0.9 MB a session as pixels), and the
+    overlays drawn from them are the photo's."""
+    monkeypatch.setattr(service, "cache", CacheBound(None))  # no page built: any file reads
+    upload = {"path": str(photo(1)), "orig_name": "photo.jpg"}
+    out = outputs(events.ui_caption(service, upload))
+    state = out["state"]
+    assert state is not None, out["status"]
+    kept = sum(
+        len(v.data) if isinstance(v, drawing.Packed) else getattr(v, "nbytes", 0)
+        for v in state.values()
+    )
+    assert isinstance(state["image"], drawing.Packed) and isinstance(state["small"], drawing.Packed)
+    assert kept < 200_000, kept
+    original = drawing.readable(drawing.unpacked(state["image"]), events.PANEL_SIZE)
+    small = np.asarray(state["small"].image(), np.float32)
+    assert small.shape[:2] == (state["small"].height, state["small"].width)
+    assert np.abs(small - np.asarray(original.resize(state["small"].size), np.float32)).mean() < 6
