@@ -15,6 +15,12 @@ if not torch.cuda.is_available():
 
 from helpers.data import write_flickr8k_folder  # noqa: E402 - after TRITON_INTERPRET
 
+# Under pytest-xdist (-n N) the workers share the cores: each takes its share of torch's threads,
+# as two processes each running a thread per core would spin for each other's cores
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session")
 def synthetic_flickr(tmp_path_factory) -> Path:
