@@ -489,7 +489,8 @@ def test_api_only_process(tiny_model_file: Path, tmp_path: Path):
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err
-    assert "stopping: finishing 0 request(s)" in err
+    # curl has its answer; the server may still be closing that request (0 or 1 in flight)
+    assert re.search(r"stopping: finishing [01] request\(s\)", err), err
     assert "gradio imported: False" in err
     assert "Traceback" not in err
 
