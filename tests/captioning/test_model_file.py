@@ -241,6 +241,7 @@ def test_weights_with_nan_or_inf_are_refused_at_load(bad, tiny_model_file, tmp_p
     assert err.startswith("error: ") and "NaN or Inf" in err and "\n" not in err
 
 
+@pytest.mark.slow
 def test_a_spatial_attention_model_round_trips_and_joins_an_ensemble(tiny_model_file, tmp_path):
     """decoder.attend "after" travels in the file; files written before the option (the bundled
     ones too) read as "before"; models of both kinds caption together as one ensemble."""

@@ -60,6 +60,7 @@ def test_resume_from_last_checkpoint(trained_run):
     assert after["global_step"] == before["global_step"] + steps_per_epoch
 
 
+@pytest.mark.slow
 def test_schedule_added_on_resume_matches_a_run_trained_with_it(trained_run, tmp_path):
     """Resuming a run saved without a learning-rate schedule under a config with one continues
     at the learning rate a run trained with that schedule from the start has at that epoch."""
@@ -336,6 +337,7 @@ def test_ctrl_c_saves_where_training_stopped_and_says_how_to_resume(
     assert done["global_step"] == (ckpt["epoch"] + 2) * steps_per_epoch
 
 
+@pytest.mark.slow
 def test_self_critical_fine_tuning_from_a_trained_run(trained_run, tmp_path, capsys):
     run, args, _ = trained_run
     old = os.getcwd()

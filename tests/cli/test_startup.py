@@ -222,6 +222,7 @@ def test_cider_d_tables_are_the_plain_loops(seed):
     assert ConsensusIndex._ids(ours, grams).tolist() == expected
 
 
+@pytest.mark.slow
 def test_sat_caption_pauses_the_garbage_collector_only_while_it_starts(tmp_path):
     """`sat caption` itself: the collector is paused while torch and the model load, on again
     for the captioning, and what is alive at the end is frozen (the exit then skips a last walk

@@ -367,6 +367,7 @@ def check_summary(ac: dict, n_images: int, measured_on: str = "attention weights
 
 @needs_java
 @needs_coco_subset
+@pytest.mark.slow
 def test_evaluate_reports_attention_correctness_on_the_val_subset(tmp_path, capsys):
     # the bundled default model at beam 1 on the first 8 photos (5 of them have masks)
     out = tmp_path / "r.json"

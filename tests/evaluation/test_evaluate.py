@@ -62,6 +62,7 @@ def model_file(tmp_path_factory):
 
 @needs_java
 @needs_coco_subset
+@pytest.mark.slow
 def test_evaluate_coco_subset(model_file, tmp_path, capsys, caplog):
     out = tmp_path / "res" / "results.json"
     options = ["--limit", "6", "--batch-size", "4", "--num-workers", "1", "--beam-size", "2"]
@@ -550,6 +551,7 @@ def test_a_run_refused_before_captioning_leaves_no_partial_file(
 
 
 @needs_java
+@pytest.mark.slow
 def test_a_resumed_evaluation_scores_attention_on_the_kept_captions(tmp_path, monkeypatch, capsys):
     """With --instances the kept records hold each caption's attention and attended cells, so
     attention correctness covers the captions made before the interruption too; captions kept

@@ -337,6 +337,7 @@ def test_fixed_search_steps_never_wait_for_the_device(monkeypatch, attention):
     assert calls
 
 
+@pytest.mark.slow
 def test_fixed_search_loops_compile_without_graph_breaks():
     """torch.compile(fullgraph=True) traces each loop whole, decoder steps included (what
     CUDA graphs and mode="reduce-overhead" need); the eager backend keeps the test fast."""

@@ -99,6 +99,7 @@ def expected_reward(module, feats, captions, samples=4) -> float:
     return sum(module.objective.cider(cands, refs)) / len(cands)
 
 
+@pytest.mark.slow
 def test_self_critical_training_raises_the_expected_reward():
     module, feats, captions, vocab = shapes_module()
     module.objective.set_references([[c] for c in captions])
